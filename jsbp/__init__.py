@@ -1,0 +1,24 @@
+"""jsbp: OneFlow's SBP consistent view for JAX.
+
+Say where a few tensors live (a ``placement``) and how they are laid out on it (an ``sbp``), and
+jsbp runs the program on many devices, inserting the cheapest layout conversions (boxing).
+"""
+
+from . import debug as debug
+from . import sbp as sbp
+from ._errors import PlacementError as PlacementError
+from ._errors import SbpError as SbpError
+from ._placement import placement as placement
+from ._tensor import GlobalTensor as GlobalTensor
+from ._tensor import arange as arange
+from ._tensor import from_local as from_local
+from ._tensor import full as full
+from ._tensor import manual_seed as manual_seed
+from ._tensor import ones as ones
+from ._tensor import rand as rand
+from ._tensor import randn as randn
+from ._tensor import tensor as tensor
+from ._tensor import to_global as to_global
+from ._tensor import zeros as zeros
+
+__version__ = "0.1.0"

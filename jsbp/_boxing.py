@@ -1,0 +1,339 @@
+"""Boxing: converting a global tensor from one (placement, nd-sbp) to another.
+
+The planner searches the space of nd-sbps with Dijkstra. A *move* changes the SBP of a group of
+placement axes that change the same way, using exactly one collective (or none):
+
+=============  ====================  ============================================
+move           collective            when it is legal (hierarchical splits)
+=============  ====================  ============================================
+S(i) -> B      all-gather            the group is the innermost axes splitting i
+P -> B         all-reduce            always (Pmax / Pmin: pmax / pmin)
+P -> S(j)      reduce-scatter        the group becomes the innermost axes splitting j
+S(i) -> S(j)   all-to-all            both of the above
+B -> S(j)      none (local slice)    the group becomes the innermost axes splitting j
+B -> P         none (zero-fill)      always
+S(i) -> P      none (zero-fill)      the group is the innermost axes splitting i
+B -> Pmax/min  none (relabel)        always
+=============  ====================  ============================================
+
+Costs are bytes received per device (OneFlow's table) plus a fixed latency per collective, so
+small tensors prefer fewer collectives and large ones fewer bytes. Uneven blocks are handled by
+per-device index tables ("repacks") around each collective; even layouts skip them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _sbp
+from ._layout import Layout, balanced, layout_of, offsets
+
+__all__ = ["Move", "plan", "make_local_boxer", "COLLECTIVE_LATENCY_BYTES"]
+
+COLLECTIVE_LATENCY_BYTES = 1 << 16
+"""A collective's fixed cost, in byte-equivalents, added to the bytes it moves."""
+
+_LOCAL_COST = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One step of a boxing plan: ``axes`` go from ``src`` to ``dst`` with ``collective``."""
+
+    axes: tuple[int, ...]
+    src: _sbp.Sbp
+    dst: _sbp.Sbp
+    collective: str | None  # "all-gather", "all-reduce", "reduce-scatter", "all-to-all" or None
+    bytes_per_device: float
+
+    def __str__(self):
+        what = self.collective or "local"
+        return f"axes {self.axes}: {self.src} -> {self.dst} ({what})"
+
+
+def _innermost(splitters: tuple[int, ...], group: tuple[int, ...]) -> bool:
+    return len(splitters) >= len(group) and splitters[len(splitters) - len(group):] == group
+
+
+def _moves_from(state, shape, hierarchy, itemsize):
+    """All legal moves out of ``state`` as (next_state, Move)."""
+    n = len(state)
+    total_bytes = math.prod(shape) * itemsize
+
+    def splitters(st, d):
+        return tuple(a for a in range(n) if st[a].is_split and st[a].dim == d)
+
+    def piece_bytes(st, exclude):
+        # bytes of the block a device holds at the parent level of ``exclude``
+        ways = math.prod(hierarchy[a] for a in range(n) if st[a].is_split and a not in exclude)
+        return total_bytes / max(ways, 1)
+
+    # group axes by the (src) sbp they have now, then by target
+    by_src = {}
+    for a in range(n):
+        by_src.setdefault(state[a], []).append(a)
+    targets = [_sbp.broadcast, _sbp.partial_sum, _sbp.partial_max, _sbp.partial_min] + [
+        _sbp.Split(d) for d in range(len(shape))
+    ]
+    for src, axes in by_src.items():
+        for r in range(1, len(axes) + 1):
+            for group in itertools.combinations(axes, r):
+                k = math.prod(hierarchy[a] for a in group)
+                for dst in targets:
+                    if dst == src:
+                        continue
+                    nxt = tuple(dst if a in group else state[a] for a in range(n))
+                    if any(x.is_partial for x in nxt) and len({x.reduce for x in nxt if x.is_partial}) > 1:
+                        continue
+                    coll, cost = None, None
+                    pb = piece_bytes(state, group)
+                    if src.is_split and dst.is_broadcast:
+                        if _innermost(splitters(state, src.dim), group):
+                            coll, cost = "all-gather", pb * (k - 1) / k
+                    elif src.is_partial and dst.is_broadcast:
+                        coll, cost = "all-reduce", 2 * pb * (k - 1) / k
+                    elif src.is_partial and dst.is_split:
+                        if src.reduce == "sum" and _innermost(splitters(nxt, dst.dim), group):
+                            coll, cost = "reduce-scatter", pb * (k - 1) / k
+                    elif src.is_split and dst.is_split:
+                        if _innermost(splitters(state, src.dim), group) and _innermost(
+                            splitters(nxt, dst.dim), group
+                        ):
+                            coll, cost = "all-to-all", pb * (k - 1) / k / k
+                    elif src.is_broadcast and dst.is_split:
+                        if _innermost(splitters(nxt, dst.dim), group):
+                            cost = 0.0
+                    elif src.is_broadcast and dst.is_partial:
+                        cost = 0.0
+                    elif src.is_split and dst.is_partial and dst.reduce == "sum":
+                        if _innermost(splitters(state, src.dim), group):
+                            cost = 0.0
+                    if cost is None:
+                        continue
+                    yield nxt, Move(group, src, dst, coll, float(cost))
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int):
+    """The cheapest list of ``Move`` s from nd-sbp ``src`` to ``dst`` (normalised, same placement)."""
+    if src == dst:
+        return ()
+    counter = itertools.count()
+    best = {src: 0.0}
+    heap = [(0.0, next(counter), src, ())]
+    while heap:
+        cost, _, state, path = heapq.heappop(heap)
+        if state == dst:
+            return path
+        if cost > best.get(state, math.inf):
+            continue
+        for nxt, mv in _moves_from(state, shape, hierarchy, itemsize):
+            c = cost + mv.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if mv.collective else _LOCAL_COST)
+            if c < best.get(nxt, math.inf) - 1e-9:
+                best[nxt] = c
+                heapq.heappush(heap, (c, next(counter), nxt, path + (mv,)))
+    raise AssertionError(f"no boxing path from {src} to {dst}")  # every pair is connected via B
+
+
+# -------------------------------------------------------------------------------------------
+# Local (per-device) execution inside a full-manual shard_map.
+# -------------------------------------------------------------------------------------------
+
+
+def _device_index(plc):
+    """Flattened (row-major) mesh index of this device, inside shard_map."""
+    idx = 0
+    for name, size in zip(plc.axis_names, plc.hierarchy):
+        idx = idx * size + lax.axis_index(name)
+    return idx
+
+
+def _group_index(plc, group):
+    idx = 0
+    for a in group:
+        idx = idx * plc.hierarchy[a] + lax.axis_index(plc.axis_names[a])
+    return idx
+
+
+def _group_index_np(coord, group, hierarchy):
+    idx = 0
+    for a in group:
+        idx = idx * hierarchy[a] + coord[a]
+    return idx
+
+
+def _take(x, dim, table, mask, plc):
+    """Per-device gather along ``dim`` with a (ndev, out_len) index table and optional 0/1 mask."""
+    if table.shape[1] == 0 or x.shape[dim] == 0:
+        shape = list(x.shape)
+        shape[dim] = table.shape[1]
+        return jnp.zeros(shape, x.dtype)
+    uniform = bool((table == table[0]).all()) and (mask is None or bool((mask == mask[0]).all()))
+    if uniform:
+        row = table[0]
+        if mask is None and row.shape[0] == x.shape[dim] and np.array_equal(row, np.arange(row.shape[0])):
+            return x
+        idx = jnp.asarray(row, dtype=jnp.int32)
+        m = None if mask is None else jnp.asarray(mask[0])
+    else:
+        dev = _device_index(plc)
+        idx = jnp.asarray(table, dtype=jnp.int32)[dev]
+        m = None if mask is None else jnp.asarray(mask)[dev]
+    out = jnp.take(x, idx, axis=dim, mode="clip")
+    if m is not None:
+        shape = [1] * out.ndim
+        shape[dim] = out.shape[dim]
+        out = jnp.where(m.reshape(shape), out, jnp.zeros((), out.dtype))
+    return out
+
+
+def _nested(m: int, ks: tuple[int, ...]) -> list[int]:
+    """Sizes of the prod(ks) chunks of m when cut hierarchically by axes of sizes ks (outer first)."""
+    sizes = [int(m)]
+    for k in ks:
+        sizes = [c for s in sizes for c in balanced(s, k)]
+    return sizes
+
+
+def _split_table(parent_valid, k, L_parent, L_child):
+    """Parent block (valid m, padded L_parent) -> k padded chunks of L_child, per device."""
+    rows = []
+    for m in parent_valid:
+        sizes = _nested(m, k)
+        kk = len(sizes)
+        offs = offsets(sizes)
+        row = np.zeros(kk * L_child, dtype=np.int64)
+        for c in range(kk):
+            for r in range(min(sizes[c], L_child)):
+                row[c * L_child + r] = offs[c] + r
+        rows.append(row)
+    return np.stack(rows)
+
+
+def _merge_table(parent_valid, k, L_parent, L_child):
+    """k padded chunks of L_child -> parent block (valid m, padded L_parent), per device."""
+    rows = []
+    for m in parent_valid:
+        sizes = _nested(m, k)
+        kk = len(sizes)
+        offs = offsets(sizes)
+        row = np.zeros(L_parent, dtype=np.int64)
+        for c in range(kk):
+            for r in range(sizes[c]):
+                row[offs[c] + r] = c * L_child + r
+        rows.append(row)
+    return np.stack(rows)
+
+
+def _chunk_table(parent_valid, chunk, k, L_child):
+    """Select chunk ``chunk[dev]`` of the parent block, padded to L_child, per device."""
+    rows = []
+    for m, c in zip(parent_valid, chunk):
+        sizes = _nested(m, k)
+        kk = len(sizes)
+        off = offsets(sizes)[c]
+        row = np.zeros(L_child, dtype=np.int64)
+        row[: sizes[c]] = off + np.arange(sizes[c])
+        rows.append(row)
+    return np.stack(rows)
+
+
+def _embed_table(parent_valid, chunk, k, L_parent):
+    """Place this device's chunk (padded L_child block) into a zero parent block, per device."""
+    rows, masks = [], []
+    for m, c in zip(parent_valid, chunk):
+        sizes = _nested(m, k)
+        kk = len(sizes)
+        off = offsets(sizes)[c]
+        row = np.zeros(L_parent, dtype=np.int64)
+        mask = np.zeros(L_parent, dtype=bool)
+        row[off: off + sizes[c]] = np.arange(sizes[c])
+        mask[off: off + sizes[c]] = True
+        rows.append(row)
+        masks.append(mask)
+    return np.stack(rows), np.stack(masks)
+
+
+def _apply_move(x, mv: Move, before: Layout, after: Layout):
+    """Run one move on a device's local block ``x`` (padded, partial dim already squeezed)."""
+    plc = before.placement
+    names = tuple(plc.axis_names[a] for a in mv.axes)
+    axis_name = names if len(names) > 1 else names[0]
+    k = tuple(plc.hierarchy[a] for a in mv.axes)  # nested chunking over the group, outer first
+    src, dst = mv.src, mv.dst
+    chunk = np.array([_group_index_np(c, mv.axes, plc.hierarchy) for c in before.coords])
+
+    if src.is_split and dst.is_broadcast:
+        i = src.dim
+        x = lax.all_gather(x, axis_name, axis=i, tiled=True)
+        if not before.is_even or not after.is_even:
+            x = _take(x, i, _merge_table(after.valid_sizes(i), k, after.local_shape[i], before.local_shape[i]), None, plc)
+        return x
+    if src.is_partial and dst.is_broadcast:
+        red = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[src.reduce]
+        return red(x, axis_name)
+    if src.is_partial and dst.is_split:
+        j = dst.dim
+        if not before.is_even or not after.is_even:
+            x = _take(x, j, _split_table(before.valid_sizes(j), k, before.local_shape[j], after.local_shape[j]), None, plc)
+        return lax.psum_scatter(x, axis_name, scatter_dimension=j, tiled=True)
+    if src.is_split and dst.is_split:
+        i, j = src.dim, dst.dim
+        uneven = not before.is_even or not after.is_even
+        if uneven:
+            x = _take(x, j, _split_table(before.valid_sizes(j), k, before.local_shape[j], after.local_shape[j]), None, plc)
+        x = lax.all_to_all(x, axis_name, j, i, tiled=True)
+        if uneven:
+            x = _take(x, i, _merge_table(after.valid_sizes(i), k, after.local_shape[i], before.local_shape[i]), None, plc)
+        return x
+    if src.is_broadcast and dst.is_split:
+        j = dst.dim
+        return _take(x, j, _chunk_table(before.valid_sizes(j), chunk, k, after.local_shape[j]), None, plc)
+    if src.is_broadcast and dst.is_partial:
+        if dst.reduce != "sum":
+            return x
+        first = _group_index(plc, mv.axes) == 0
+        return jnp.where(first, x, jnp.zeros((), x.dtype))
+    if src.is_split and dst.is_partial:
+        i = src.dim
+        table, mask = _embed_table(after.valid_sizes(i), chunk, k, after.local_shape[i])
+        return _take(x, i, table, mask, plc)
+    raise AssertionError(f"unplanned move {mv}")
+
+
+def run_plan(x, moves, src_layout: Layout):
+    """Apply ``moves`` to local block ``x`` (no partial dim). Returns (x, final_layout)."""
+    lay = src_layout
+    for mv in moves:
+        nd = tuple(mv.dst if a in mv.axes else s for a, s in enumerate(lay.nd_sbp))
+        nxt = layout_of(lay.placement, nd, lay.shape)
+        x = _apply_move(x, mv, lay, nxt)
+        lay = nxt
+    return x, lay
+
+
+def make_local_boxer(src: Layout, dst: Layout, dtype):
+    """A function local_block -> local_block (physical blocks, partial dim included) for shard_map."""
+    moves = plan(src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, np.dtype(dtype).itemsize)
+    if math.prod(src.shape) == 0:  # nothing to move: every block is empty
+        out_block = ((1,) if dst.partial_axes else ()) + dst.local_shape
+        return (lambda x: jnp.zeros(out_block, x.dtype)), ()
+
+    def body(x):
+        if src.partial_axes:
+            x = x[0]
+        x, _ = run_plan(x, moves, src)
+        if dst.partial_axes:
+            x = x[None]
+        return x
+
+    return body, moves

@@ -1,0 +1,15 @@
+"""The two error types of jsbp. Both are ``ValueError`` so ``except ValueError`` keeps working."""
+
+from __future__ import annotations
+
+
+class SbpError(ValueError):
+    """A bad SBP, layout, signature or op on a global tensor.
+
+    Messages name the op, the tensor's shape, placement and SBP, and say what to change.
+    """
+
+
+class PlacementError(ValueError):
+    """A bad placement: unknown or duplicate devices, ragged ranks, wrong axis names, or two
+    placements mixed in one op."""

@@ -1,0 +1,597 @@
+"""``GlobalTensor``: a logical value with a placement and an nd-sbp.
+
+A registered pytree: one ``jax.Array`` leaf (the physical array, see ``_layout``) plus static
+metadata (the ``Layout``). It passes through ``jax.jit``, ``jax.grad`` and Flax state unchanged.
+
+Cotangent convention: the cotangent of a global tensor's leaf is read with the *same* layout as
+the primal (for P: any addends whose sum is the gradient). Every jsbp function that reads or
+writes leaves (boxing, ``to_jax``, ``tensor``) has a custom VJP that keeps to it, so
+``jax.grad`` with respect to global tensors returns global tensors with correct values.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _sbp
+from ._boxing import make_local_boxer
+from ._errors import PlacementError, SbpError
+from ._layout import Layout, balanced, layout_of, normalise_nd, offsets
+from ._placement import placement as Placement
+
+__all__ = [
+    "GlobalTensor",
+    "tensor",
+    "zeros",
+    "ones",
+    "full",
+    "arange",
+    "randn",
+    "rand",
+    "from_local",
+    "manual_seed",
+]
+
+
+def _canonical_dtype(dtype):
+    return jax.dtypes.canonicalize_dtype(np.dtype(dtype))
+
+
+@jax.tree_util.register_pytree_node_class
+class GlobalTensor:
+    """A logical tensor laid out on a placement. Build one with ``jsbp.tensor`` & co."""
+
+    __slots__ = ("_value", "_layout")
+    __array_priority__ = 1000  # numpy defers to our reflected operators
+
+    def __init__(self, value, layout: Layout):
+        self._value = value
+        self._layout = layout
+
+    # -- pytree -----------------------------------------------------------------------------
+    def tree_flatten(self):
+        return (self._value,), self._layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        obj = object.__new__(cls)
+        obj._value = children[0]
+        obj._layout = layout
+        return obj
+
+    # -- metadata -----------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def physical(self) -> jax.Array:
+        """The padded physical ``jax.Array`` (see ``jsbp._layout``); mostly for experts."""
+        return self._value
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._layout.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self._layout.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self._layout.shape)
+
+    @property
+    def dtype(self):
+        return self._value.dtype
+
+    @property
+    def placement(self) -> Placement:
+        return self._layout.placement
+
+    @property
+    def sbp(self) -> tuple[_sbp.Sbp, ...]:
+        return self._layout.nd_sbp
+
+    def __repr__(self):
+        lay = self._layout
+        try:
+            dt = np.dtype(self.dtype).name
+        except TypeError:
+            dt = str(self.dtype)
+        return f"GlobalTensor(shape={lay.shape}, dtype={dt}, placement={lay.placement!r}, sbp={_sbp.nd_str(lay.nd_sbp)})"
+
+    def _repr_html_(self):
+        from .viz import tensor_html
+
+        return tensor_html(self)
+
+    # -- conversions ----------------------------------------------------------------------------
+    def to_global(self, placement: Placement | None = None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
+        """Box to ``placement`` / ``sbp`` (either may be None: keep it). Returns self if unchanged.
+
+        ``grad_sbp`` sets the layout the gradient of the result is converted to in the backward
+        pass before it flows back to this tensor (OneFlow's Megatron "f"/"g" idiom).
+        """
+        return to_global(self, placement, sbp, grad_sbp=grad_sbp)
+
+    def to_local(self) -> list[jax.Array]:
+        """This process's local arrays, one per device of the placement, in placement order.
+
+        For a partial layout each is that device's addend. Padding is sliced off.
+        """
+        lay = self._layout
+        if isinstance(self._value, jax.core.Tracer):
+            raise SbpError(
+                f"to_local() reads concrete device buffers; it cannot run under a JAX transformation "
+                f"(the tensor of {lay.describe()} is a tracer here). Call it outside jax.jit / jax.grad."
+            )
+        by_dev = {s.device: s for s in self._value.addressable_shards}
+        out = []
+        for coord, dev, blk in zip(lay.coords, lay.placement.devices.reshape(-1), lay.blocks):
+            shard = by_dev.get(dev)
+            if shard is None:
+                continue
+            data = shard.data
+            if lay.partial_axes:
+                data = data[0]
+            idx = tuple(slice(0, s) for _, s in blk)
+            out.append(data[idx] if data.shape != tuple(s for _, s in blk) else data)
+        return out
+
+    def numpy(self) -> np.ndarray:
+        """The full logical value as a numpy array (partials reduced), on every process."""
+        if isinstance(self._value, jax.core.Tracer):
+            raise SbpError(
+                f"numpy() needs a concrete value; the tensor of {self._layout.describe()} is a tracer "
+                "here. Use x.to_jax() inside traced code."
+            )
+        lay = self._layout
+        if self._value.is_fully_addressable:
+            return lay.decode(np.asarray(self._value))
+        full = self.to_global(sbp=tuple(_sbp.broadcast for _ in lay.nd_sbp))
+        shard = full._value.addressable_shards[0]
+        return np.asarray(shard.data)[tuple(slice(0, n) for n in lay.shape)]
+
+    def to_jax(self) -> jax.Array:
+        """The logical value as an (unpadded) ``jax.Array``; differentiable, works under jit."""
+        return decode(self._value, self._layout)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.numpy()
+        return out.astype(dtype) if dtype is not None else out
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError("len() of a 0-d global tensor")
+        return self.shape[0]
+
+
+def _check_global(x, op: str) -> GlobalTensor:
+    if not isinstance(x, GlobalTensor):
+        raise SbpError(
+            f"{op} needs a jsbp GlobalTensor, got {type(x).__name__}"
+            + (f" of shape {tuple(np.shape(x))}" if hasattr(x, "shape") else "")
+            + "; make one with jsbp.tensor(data, placement=..., sbp=...) or jsbp.from_local(...)."
+        )
+    return x
+
+
+# -------------------------------------------------------------------------------------------
+# encode / decode between the logical jax value and the physical array (jit-able, differentiable)
+# -------------------------------------------------------------------------------------------
+
+
+def _dim_index_table(lay: Layout, d: int):
+    """For every physical position along dim d: (logical index, valid?)."""
+    L = lay.local_shape[d]
+    h = lay.placement.hierarchy
+    sp = lay.splitters[d]
+    K = lay.ways(d)
+    idx = np.zeros(L * K, dtype=np.int64)
+    valid = np.zeros(L * K, dtype=bool)
+    for b in range(K):
+        # block index -> coords on the splitting axes (mixed radix, outer first)
+        rem, coords = b, []
+        for a in reversed(sp):
+            coords.append(rem % h[a])
+            rem //= h[a]
+        coords = coords[::-1]
+        off, size = 0, lay.shape[d]
+        for a, c in zip(sp, coords):
+            sizes = balanced(size, h[a])
+            off += offsets(sizes)[c]
+            size = sizes[c]
+        idx[b * L: b * L + size] = off + np.arange(size)
+        valid[b * L: b * L + size] = True
+    return idx, valid
+
+
+def _encode_raw(value, lay: Layout):
+    x = value
+    for d in range(len(lay.shape)):
+        if lay.ways(d) > 1 and lay.shape[d] % lay.ways(d) != 0:
+            idx, valid = _dim_index_table(lay, d)
+            x = jnp.take(x, jnp.asarray(idx, jnp.int32), axis=d, mode="clip")
+            shp = [1] * x.ndim
+            shp[d] = idx.shape[0]
+            x = jnp.where(jnp.asarray(valid).reshape(shp), x, jnp.zeros((), x.dtype))
+    if lay.partial_axes:
+        n = lay.n_addends
+        ident = {"sum": 0, "max": None, "min": None}[lay.partial_kind]
+        if ident == 0:
+            x = jnp.concatenate([x[None], jnp.zeros((n - 1,) + x.shape, x.dtype)], axis=0)
+        else:  # max / min of copies is the value itself
+            x = jnp.broadcast_to(x[None], (n,) + x.shape)
+    return x
+
+
+def _decode_raw(phys, lay: Layout):
+    x = phys
+    if lay.partial_axes:
+        red = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[lay.partial_kind]
+        x = red(x, axis=0)
+    for d in range(len(lay.shape)):
+        if lay.ways(d) > 1 and lay.shape[d] % lay.ways(d) != 0:
+            idx, valid = _dim_index_table(lay, d)
+            pos = np.zeros(lay.shape[d], dtype=np.int64)
+            pos[idx[valid]] = np.nonzero(valid)[0]
+            x = jnp.take(x, jnp.asarray(pos, jnp.int32), axis=d, mode="clip")
+    return x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def encode(value, lay: Layout):
+    return _encode_raw(value, lay)
+
+
+def _encode_fwd(value, lay):
+    return _encode_raw(value, lay), None
+
+
+def _encode_bwd(lay, _, ct):
+    return (_decode_raw(ct, lay),)
+
+
+encode.defvjp(_encode_fwd, _encode_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def decode(phys, lay: Layout):
+    return _decode_raw(phys, lay)
+
+
+def _decode_fwd(phys, lay):
+    return _decode_raw(phys, lay), None
+
+
+def _decode_bwd(lay, _, ct):
+    return (_encode_raw(ct, lay),)
+
+
+decode.defvjp(_decode_fwd, _decode_bwd)
+
+
+@functools.lru_cache(maxsize=1024)
+def _encode_jit(lay: Layout):
+    return jax.jit(lambda v: _encode_raw(v, lay), out_shardings=lay.sharding)
+
+
+# -------------------------------------------------------------------------------------------
+# boxing on leaves
+# -------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _same_placement_boxer(src: Layout, dst: Layout, dtype):
+    body, moves = make_local_boxer(src, dst, dtype)
+    fn = jax.shard_map(
+        body, mesh=src.placement.mesh, in_specs=(src.spec,), out_specs=dst.spec, check_vma=False
+    )
+    return jax.jit(fn), moves
+
+
+def _box_raw(phys, src: Layout, dst: Layout):
+    if src == dst:
+        return phys
+    if src.placement == dst.placement:
+        fn, _ = _same_placement_boxer(src, dst, np.dtype(phys.dtype))
+        return fn(phys)
+    return _cross_placement(phys, src, dst)
+
+
+def _cross_placement(phys, src: Layout, dst: Layout):
+    if isinstance(phys, jax.core.Tracer):
+        raise SbpError(
+            f"to_global: moving a tensor of {src.describe()} to placement {dst.placement} is an eager "
+            "operation; inside jax.jit / jsbp.jit every tensor must stay on one placement. Box across "
+            "placements outside the traced function."
+        )
+    sp, dp = src.placement, dst.placement
+    if sp.hierarchy == dp.hierarchy:
+        # same grid shape: move blocks device-to-device, keeping the layout, then box on dst
+        mid = layout_of(dp, src.nd_sbp, src.shape)
+        return _box_raw(jax.device_put(phys, mid.sharding), mid, dst)
+    # different grid: gather to B on src, copy the replicated value over, slice on dst
+    allb = tuple(_sbp.broadcast for _ in range(sp.ndim))
+    full = _box_raw(phys, src, layout_of(sp, allb, src.shape))
+    dst_b = layout_of(dp, tuple(_sbp.broadcast for _ in range(dp.ndim)), src.shape)
+    local = full.addressable_shards[0].data
+    moved = jax.make_array_from_callback(
+        dst_b.physical_shape, dst_b.sharding, lambda idx: local[idx] if local.ndim else local
+    )
+    return _box_raw(moved, dst_b, dst)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def box(phys, src: Layout, dst: Layout, grad: Layout | None):
+    """Convert a physical array from layout ``src`` to ``dst`` (differentiable)."""
+    return _box_raw(phys, src, dst)
+
+
+def _box_fwd(phys, src, dst, grad):
+    return _box_raw(phys, src, dst), None
+
+
+def _box_bwd(src, dst, grad, _, ct):
+    g = ct
+    if grad is not None and grad != dst:
+        g = _box_raw(g, dst, grad)
+        return (_box_raw(g, grad, src),)
+    return (_box_raw(g, dst, src),)
+
+
+box.defvjp(_box_fwd, _box_bwd)
+
+
+def to_global(x, placement=None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
+    """Box ``x`` to ``placement`` / ``sbp``; see ``GlobalTensor.to_global``."""
+    if not isinstance(x, GlobalTensor):
+        if placement is None or sbp is None:
+            _check_global(x, "to_global")
+        return tensor(x, placement=placement, sbp=sbp)
+    lay = x._layout
+    plc = lay.placement if placement is None else placement
+    if not isinstance(plc, Placement):
+        raise PlacementError(f"to_global: placement must be a jsbp.placement, got {plc!r}.")
+    if sbp is None:
+        if plc.ndim != lay.placement.ndim:
+            raise SbpError(
+                f"to_global: the tensor of {lay.describe()} moves to a {plc.ndim}-d placement {plc}; "
+                "its sbp cannot be kept, so pass sbp= with one entry per axis of the new placement."
+            )
+        nd = lay.nd_sbp
+    else:
+        nd = normalise_nd(sbp, lay.shape, plc, op="to_global")
+    dst = layout_of(plc, nd, lay.shape)
+    grad = None
+    if grad_sbp is not None:
+        grad = layout_of(plc, normalise_nd(grad_sbp, lay.shape, plc, op="to_global(grad_sbp=)"), lay.shape)
+    if dst == lay and grad is None:
+        return x
+    from ._trace import current_tracer  # the compiler's hook: honour layouts inside jsbp.jit
+
+    tr = current_tracer()
+    if tr is not None:
+        return tr.to_global(x, dst, grad)
+    if not isinstance(x._value, jax.core.Tracer):  # eager, nothing to differentiate: skip custom_vjp
+        return GlobalTensor(_box_raw(x._value, lay, dst), dst)
+    return GlobalTensor(box(x._value, lay, dst, grad), dst)
+
+
+# -------------------------------------------------------------------------------------------
+# factories
+# -------------------------------------------------------------------------------------------
+
+_SEED = [0, 0]
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the key used by ``randn`` / ``rand`` when no ``key`` is given."""
+    _SEED[0], _SEED[1] = int(seed), 0
+
+
+def _next_key():
+    key = jax.random.fold_in(jax.random.key(_SEED[0]), _SEED[1])
+    _SEED[1] += 1
+    return key
+
+
+def _layout_for(shape, placement, sbp, op) -> Layout:
+    if not isinstance(placement, Placement):
+        raise PlacementError(
+            f"{op}: placement must be a jsbp.placement (e.g. jsbp.placement('cpu', [0, 1])), got {placement!r}."
+        )
+    if sbp is None:
+        raise SbpError(f"{op}: pass sbp= (one SBP per placement axis, e.g. sbp.split(0) or 'B').")
+    return layout_of(placement, normalise_nd(sbp, shape, placement, op=op), tuple(int(s) for s in shape))
+
+
+def _shape_args(shape, op) -> tuple[int, ...]:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    out = []
+    for s in shape:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
+            raise SbpError(f"{op}: shape entries must be non-negative ints, got {tuple(shape)}.")
+        out.append(int(s))
+    return tuple(out)
+
+
+def _from_logical(value, lay: Layout) -> GlobalTensor:
+    if isinstance(value, jax.core.Tracer):
+        return GlobalTensor(encode(value, lay), lay)
+    return GlobalTensor(_encode_jit(lay)(value), lay)
+
+
+def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> GlobalTensor:
+    """A global tensor whose logical value is ``data`` (numpy / jax array / nested list / scalar).
+
+    With ``sbp=P`` the value is put on the first device and zeros elsewhere.
+    """
+    if isinstance(data, GlobalTensor):
+        out = data.to_global(placement, sbp)
+        return out if dtype is None else out.astype(dtype)
+    if isinstance(data, jax.Array) and not isinstance(data, jax.core.Tracer):
+        arr = data
+    elif isinstance(data, jax.core.Tracer):
+        arr = data
+    else:
+        np_arr = np.asarray(data)
+        if np_arr.dtype == object:
+            raise SbpError(f"tensor: cannot make a tensor from {type(data).__name__} {data!r}.")
+        arr = np_arr.astype(_canonical_dtype(np_arr.dtype), copy=False)
+    if dtype is not None:
+        arr = arr.astype(_canonical_dtype(dtype))
+    lay = _layout_for(np.shape(arr), placement, sbp, "tensor")
+    if not isinstance(arr, jax.core.Tracer) and not isinstance(arr, jax.Array):
+        if lay.is_even and not lay.partial_axes:
+            return GlobalTensor(jax.device_put(arr, lay.sharding), lay)
+        phys = lay.encode(arr)
+        return GlobalTensor(jax.make_array_from_callback(phys.shape, lay.sharding, lambda i: phys[i]), lay)
+    return _from_logical(arr, lay)
+
+
+@functools.lru_cache(maxsize=1024)
+def _filled(lay: Layout, dtype, fill):
+    def make():
+        return _encode_raw(jnp.full(lay.shape, fill, dtype), lay)
+
+    return jax.jit(make, out_shardings=lay.sharding)
+
+
+def full(shape, value, placement=None, sbp=None, *, dtype=None) -> GlobalTensor:
+    """A tensor of ``shape`` filled with ``value``."""
+    shape = _shape_args((shape,) if isinstance(shape, (int, np.integer)) else tuple(shape), "full")
+    lay = _layout_for(shape, placement, sbp, "full")
+    dt = _canonical_dtype(dtype if dtype is not None else np.result_type(type(value)) if not isinstance(value, float) else np.float32)
+    return GlobalTensor(_filled(lay, dt, value.item() if hasattr(value, "item") else value)(), lay)
+
+
+def zeros(*shape, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
+    return full(_shape_args(shape, "zeros"), 0, placement, sbp, dtype=dtype)
+
+
+def ones(*shape, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
+    return full(_shape_args(shape, "ones"), 1, placement, sbp, dtype=dtype)
+
+
+def arange(*args, placement=None, sbp=None, dtype=None) -> GlobalTensor:
+    """``jnp.arange(*args)`` as a global tensor."""
+    value = np.arange(*args)
+    if dtype is not None:
+        value = value.astype(dtype)
+    return tensor(value, placement, sbp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _random(lay: Layout, kind: str, dtype):
+    def make(key):
+        fn = jax.random.normal if kind == "normal" else jax.random.uniform
+        return _encode_raw(fn(key, lay.shape, dtype), lay)
+
+    return jax.jit(make, out_shardings=lay.sharding)
+
+
+def _random_tensor(kind, shape, key, placement, sbp, dtype, op):
+    shape = _shape_args(shape, op)
+    lay = _layout_for(shape, placement, sbp, op)
+    if key is None:
+        key = _next_key()
+    elif isinstance(key, (int, np.integer)):
+        key = jax.random.key(int(key))
+    return GlobalTensor(_random(lay, kind, _canonical_dtype(dtype))(key), lay)
+
+
+def randn(*shape, key=None, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
+    """Standard normal values that depend only on ``key`` and ``shape`` (never on the layout)."""
+    return _random_tensor("normal", shape, key, placement, sbp, dtype, "randn")
+
+
+def rand(*shape, key=None, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
+    """Uniform [0, 1) values that depend only on ``key`` and ``shape``."""
+    return _random_tensor("uniform", shape, key, placement, sbp, dtype, "rand")
+
+
+def from_local(locals_: Sequence, placement: Placement = None, sbp=None) -> GlobalTensor:
+    """A global tensor from one local array per device of ``placement`` that this process owns.
+
+    The logical shape is inferred from the local shapes along split dims. With ``B`` the first
+    device's value is the truth; with ``P`` each local is one addend.
+    """
+    if not isinstance(placement, Placement):
+        raise PlacementError(f"from_local: placement must be a jsbp.placement, got {placement!r}.")
+    nd_raw = _sbp.parse_nd(sbp, placement.ndim) if sbp is not None else None
+    if nd_raw is None:
+        raise SbpError("from_local: pass sbp= (one SBP per placement axis).")
+    devices = list(placement.devices.reshape(-1))
+    coords = list(np.ndindex(*placement.hierarchy))
+    local_idx = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    locals_ = list(locals_)
+    if len(locals_) != len(local_idx):
+        raise SbpError(
+            f"from_local: got {len(locals_)} local arrays but this process owns {len(local_idx)} "
+            f"device(s) of {placement}; give one array per owned device, in placement order."
+        )
+    arrs = [np.asarray(a) if not isinstance(a, jax.Array) else a for a in locals_]
+    shapes = {local_idx[i]: tuple(np.shape(a)) for i, a in enumerate(arrs)}
+    dtypes = {np.dtype(a.dtype) for a in arrs}
+    if len(dtypes) > 1:
+        raise SbpError(
+            f"from_local: local arrays on {placement} have different dtypes {sorted(str(d) for d in dtypes)}; "
+            "all locals must share one dtype."
+        )
+    if len(local_idx) != len(devices):
+        from .distributed import allgather_local_shapes
+
+        shapes = allgather_local_shapes(shapes, len(devices))
+    ranks_ = {len(s) for s in shapes.values()}
+    if len(ranks_) != 1:
+        raise SbpError(f"from_local: local arrays have different ranks {sorted(ranks_)} on {placement}.")
+    rank = ranks_.pop()
+    nd = normalise_nd(nd_raw, (0,) * rank, placement, op="from_local")
+    # infer the logical shape: along a split dim, sum the blocks of devices that differ only there
+    logical = []
+    for d in range(rank):
+        sp = [a for a, x in enumerate(nd) if x.is_split and x.dim == d]
+        if not sp:
+            logical.append(shapes[0][d])
+            continue
+        tot = 0
+        for i, c in enumerate(coords):
+            if all(c[a] == 0 for a in range(placement.ndim) if a not in sp):
+                tot += shapes[i][d]
+        logical.append(tot)
+    lay = layout_of(placement, nd, tuple(logical))
+    for i, c in enumerate(coords):
+        want = tuple(s for _, s in lay.block(c))
+        if shapes[i] != want:
+            raise SbpError(
+                f"from_local: device {placement.ranks.reshape(-1)[i]} (coordinate {c}) holds shape "
+                f"{shapes[i]}, but a logical tensor of shape {tuple(logical)} with sbp {_sbp.nd_str(nd)} on "
+                f"{placement} gives it {want} (balanced split). Fix the local shapes or the sbp."
+            )
+    dtype = dtypes.pop()
+    # B axes: device with coordinate 0 on every broadcast axis is the truth
+    b_axes = [a for a, x in enumerate(nd) if x.is_broadcast]
+    by_coord = {coords[j]: arrs[n] for n, j in enumerate(local_idx)}
+    singles = []
+    for n, j in enumerate(local_idx):
+        c = coords[j]
+        src_c = tuple(0 if a in b_axes else c[a] for a in range(placement.ndim))
+        a = by_coord.get(src_c, arrs[n])
+        a = jnp.asarray(a)
+        pad = [(0, L - s) for L, s in zip(lay.local_shape, a.shape)]
+        if any(p for _, p in pad):
+            a = jnp.pad(a, pad)
+        if lay.partial_axes:
+            a = a[None]
+        singles.append(jax.device_put(a, devices[j]))
+    phys = jax.make_array_from_single_device_arrays(lay.physical_shape, lay.sharding, singles)
+    return GlobalTensor(phys, lay)
