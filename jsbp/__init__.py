@@ -20,5 +20,10 @@ from ._tensor import randn as randn
 from ._tensor import tensor as tensor
 from ._tensor import to_global as to_global
 from ._tensor import zeros as zeros
+from ._jit import jit as jit
+from ._explain import explain as explain
+from .rules import register_sbp_rule as register_sbp_rule
+from . import numpy as numpy
+from . import _ops  # noqa: F401  (eager operators on GlobalTensor)
 
 __version__ = "0.1.0"

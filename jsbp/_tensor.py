@@ -351,7 +351,14 @@ box.defvjp(_box_fwd, _box_bwd)
 
 
 def to_global(x, placement=None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
-    """Box ``x`` to ``placement`` / ``sbp``; see ``GlobalTensor.to_global``."""
+    """Box ``x`` to ``placement`` / ``sbp``; see ``GlobalTensor.to_global``.
+
+    Inside ``jsbp.jit`` (where values are logical arrays) it annotates the layout of ``x`` instead.
+    """
+    from ._trace import current_tracer
+
+    if not isinstance(x, GlobalTensor) and current_tracer() is not None:
+        return current_tracer().annotate(x, placement, sbp, grad_sbp)
     if not isinstance(x, GlobalTensor):
         if placement is None or sbp is None:
             _check_global(x, "to_global")

@@ -1,0 +1,496 @@
+"""The SBP compiler: jaxpr (logical shapes) -> SBP inference -> one full-manual shard_map.
+
+``infer`` walks a jaxpr once, assigning an nd-sbp to every variable: for each equation it asks the
+rule registry for the legal per-axis signatures, expands them over the placement axes and keeps
+the candidate that needs no boxing, otherwise the cheapest boxing (bytes per device plus a fixed
+cost per collective, ``_boxing.plan``). Call-like primitives (``jit``, ``custom_jvp_call``,
+``custom_vjp_call``, ``remat``) are inlined; ``scan`` / ``while`` carries get a fixed-point layout;
+``cond`` branches are boxed to a common output layout.
+
+``emit`` replays the decisions inside one ``shard_map`` body: boxing collectives between
+equations (``_boxing.run_plan``), then each primitive on local, padded shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from . import _sbp
+from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, run_plan
+from ._errors import SbpError
+from ._layout import Layout, layout_of
+from .rules import _registry
+from .rules._registry import RuleContext
+
+B = _sbp.broadcast
+
+
+# -------------------------------------------------------------------------------------------
+# decisions
+# -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Boxing:
+    operand: int
+    src: Layout
+    dst: Layout
+    moves: tuple[Move, ...]
+    reused: bool = False  # the same value was already boxed to ``dst`` earlier: no new communication
+
+    @property
+    def collectives(self) -> list[str]:
+        return [] if self.reused else [m.collective for m in self.moves if m.collective]
+
+    @property
+    def bytes_per_device(self) -> float:
+        return 0.0 if self.reused else sum(m.bytes_per_device for m in self.moves)
+
+
+@dataclasses.dataclass
+class Step:
+    """One equation of the program with its chosen signature and the boxing of its inputs."""
+
+    eqn: Any
+    in_layouts: list[Layout]  # the layouts the op runs on (after boxing)
+    out_layouts: list[Layout]
+    boxings: list[Boxing]
+    rule: Any = None
+    sub: Any = None  # for call-like / control-flow: nested Program(s) and extra data
+    kind: str = "prim"  # prim | call | scan | while | cond | annotate
+
+
+@dataclasses.dataclass
+class Program:
+    jaxpr: Any
+    consts: list
+    in_layouts: list[Layout]
+    steps: list[Step]
+    out_layouts: list[Layout]
+    out_boxings: list[Boxing]  # boxing of outputs to requested layouts (may be empty)
+    env: dict
+
+
+def _itemsize(aval) -> int:
+    try:
+        return np.dtype(aval.dtype).itemsize
+    except TypeError:
+        return 4
+
+
+def boxing_cost(src: Layout, dst: Layout, itemsize: int) -> tuple[float, int]:
+    """(bytes + latency, number of moves) to box src -> dst on one placement."""
+    if src.nd_sbp == dst.nd_sbp:
+        return 0.0, 0
+    moves = plan(src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, itemsize)
+    cost = sum(m.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if m.collective else 1.0) for m in moves)
+    return cost, len(moves)
+
+
+def _valid_nd(nd, shape) -> bool:
+    kinds = {x.reduce for x in nd if x.is_partial}
+    if len(kinds) > 1:
+        return False
+    return all((not x.is_split) or 0 <= x.dim < len(shape) for x in nd)
+
+
+def _norm_sig(sig):
+    ins, outs = sig
+    return tuple(ins), (outs,) if isinstance(outs, _sbp.Sbp) else tuple(outs)
+
+
+def _expand(per_axis, naxes):
+    sigs = list(dict.fromkeys(_norm_sig(s) for s in per_axis))
+    for combo in itertools.product(sigs, repeat=naxes):
+        n_in = len(combo[0][0])
+        n_out = len(combo[0][1])
+        ins = tuple(tuple(c[0][i] for c in combo) for i in range(n_in))
+        outs = tuple(tuple(c[1][i] for c in combo) for i in range(n_out))
+        yield ins, outs
+
+
+class _Inference:
+    def __init__(self, placement):
+        self.placement = placement
+        self.boxed: set = set()  # (var, nd-sbp) pairs already boxed in the current program
+
+    def lay(self, nd, aval) -> Layout:
+        return layout_of(self.placement, tuple(nd), tuple(aval.shape))
+
+    def lay_b(self, aval) -> Layout:
+        return self.lay((B,) * self.placement.ndim, aval)
+
+    def box(self, i, src: Layout, dst: Layout, aval) -> Boxing | None:
+        if src.nd_sbp == dst.nd_sbp:
+            return None
+        moves = plan(src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, _itemsize(aval))
+        return Boxing(i, src, dst, moves)
+
+    # ---------------------------------------------------------------------------------------
+    def program(self, jaxpr, consts, in_layouts, out_nd=None) -> Program:
+        saved, self.boxed = self.boxed, set()
+        try:
+            return self._program(jaxpr, consts, in_layouts, out_nd)
+        finally:
+            self.boxed = saved
+
+    def _program(self, jaxpr, consts, in_layouts, out_nd=None) -> Program:
+        env: dict = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = self.lay_b(v.aval)
+        for v, lay in zip(jaxpr.invars, in_layouts):
+            env[v] = lay
+        steps = []
+        for eqn in jaxpr.eqns:
+            steps.append(self.step(eqn, env))
+        out_layouts, out_boxings = [], []
+        for i, v in enumerate(jaxpr.outvars):
+            cur = self.read(env, v)
+            if out_nd is not None and out_nd[i] is not None:
+                want = self.lay(out_nd[i], v.aval)
+                bx = self.box(i, cur, want, v.aval)
+                if bx is not None:
+                    out_boxings.append(bx)
+                cur = want
+            out_layouts.append(cur)
+        return Program(jaxpr, list(consts), list(in_layouts), steps, out_layouts, out_boxings, env)
+
+    def read(self, env, v) -> Layout:
+        if isinstance(v, jcore.Literal):
+            return self.lay_b(v.aval)
+        return env[v]
+
+    def step(self, eqn, env) -> Step:
+        name = eqn.primitive.name
+        cur = [self.read(env, v) for v in eqn.invars]
+        handler = _HIGHER_ORDER.get(name)
+        if handler is None and _call_jaxpr(eqn) is not None and name not in _registry.registered():
+            handler = _infer_call
+        if handler is not None:
+            st = handler(self, eqn, cur)
+        else:
+            st = self.prim_step(eqn, cur)
+        for v, lay in zip(eqn.outvars, st.out_layouts):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = lay
+        return st
+
+    def prim_step(self, eqn, cur: list[Layout]) -> Step:
+        name = eqn.primitive.name
+        shapes = ", ".join(f"{tuple(v.aval.shape)}" for v in eqn.invars)
+        rule = _registry.get_rule(name, op_desc=f" (operands of shape {shapes} on {self.placement})")
+        ctx = RuleContext(
+            eqn.primitive, dict(eqn.params), tuple(v.aval for v in eqn.invars),
+            tuple(v.aval for v in eqn.outvars), self.placement.hierarchy, tuple(cur),
+        )
+        if rule.nd:
+            cands = list(rule.signatures(ctx))
+        else:
+            cands = list(_expand(list(rule.signatures(ctx)), self.placement.ndim))
+        best = None
+        for ins, outs in cands:
+            if len(ins) != len(eqn.invars) or len(outs) != len(eqn.outvars):
+                raise SbpError(f"SBP rule for '{name}' returned a signature of the wrong arity: {ins} -> {outs}.")
+            if not all(_valid_nd(nd, v.aval.shape) for nd, v in zip(ins, eqn.invars)):
+                continue
+            if not all(_valid_nd(nd, v.aval.shape) for nd, v in zip(outs, eqn.outvars)):
+                continue
+            cost, nmoves, exact = 0.0, 0, True
+            for lay, nd, v in zip(cur, ins, eqn.invars):
+                if lay.nd_sbp != tuple(nd):
+                    exact = False
+                    if not isinstance(v, jcore.Literal) and (v, tuple(nd)) in self.boxed:
+                        continue  # reuse the earlier conversion
+                    c, n = boxing_cost(lay, self.lay(nd, v.aval), _itemsize(v.aval))
+                    cost += c
+                    nmoves += n
+            n_partial_out = sum(x.is_partial for nd in outs for x in nd)
+            key = (not exact, cost, nmoves, n_partial_out)
+            if best is None or key < best[0]:
+                best = (key, ins, outs)
+        if best is None:
+            lays = ", ".join(f"{tuple(v.aval.shape)} {_sbp.nd_str(l.nd_sbp)}" for v, l in zip(eqn.invars, cur))
+            raise SbpError(
+                f"no legal SBP signature for '{name}' on {self.placement} with operands {lays}; "
+                "the rule offers none for these shapes. Box an operand with jsbp.to_global(..., sbp=...) "
+                "to a layout the op supports (B always works)."
+            )
+        _, ins, outs = best
+        in_lays = [self.lay(nd, v.aval) for nd, v in zip(ins, eqn.invars)]
+        boxings = []
+        for i, (c, w, v) in enumerate(zip(cur, in_lays, eqn.invars)):
+            bx = self.box(i, c, w, v.aval)
+            if bx is None:
+                continue
+            if not isinstance(v, jcore.Literal):
+                key = (v, w.nd_sbp)
+                bx.reused = key in self.boxed
+                self.boxed.add(key)
+            boxings.append(bx)
+        out_lays = [self.lay(nd, v.aval) for nd, v in zip(outs, eqn.outvars)]
+        return Step(eqn, in_lays, out_lays, boxings, rule=rule)
+
+
+# -------------------------------------------------------------------------------------------
+# higher-order primitives
+# -------------------------------------------------------------------------------------------
+
+
+def _call_jaxpr(eqn):
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        if isinstance(j, jcore.ClosedJaxpr):
+            return j.jaxpr, list(j.consts)
+        if isinstance(j, jcore.Jaxpr):
+            return j, []
+    return None
+
+
+def _infer_call(inf: _Inference, eqn, cur):
+    jaxpr, consts = _call_jaxpr(eqn)
+    sub = inf.program(jaxpr, consts, cur)
+    return Step(eqn, list(cur), sub.out_layouts, [], sub=sub, kind="call")
+
+
+def _shift_split(nd, delta):
+    return tuple(_sbp.Split(x.dim + delta) if x.is_split else x for x in nd)
+
+
+def _unsplit_dim0(nd):
+    return tuple(B if (x.is_split and x.dim == 0) else x for x in nd)
+
+
+def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], n_carry_out_offset=0):
+    """Fixed point for loop carries: try the init layouts, then the body's outputs once."""
+    sub = make_sub(carry_init)
+    outs = sub.out_layouts[n_carry_out_offset: n_carry_out_offset + len(carry_init)]
+    if all(o.nd_sbp == c.nd_sbp for o, c in zip(outs, carry_init)):
+        return carry_init, sub
+    trial = list(outs)
+    sub2 = make_sub(trial)
+    outs2 = sub2.out_layouts[n_carry_out_offset: n_carry_out_offset + len(trial)]
+    if all(o.nd_sbp == c.nd_sbp for o, c in zip(outs2, trial)):
+        return trial, sub2
+    return carry_init, sub
+
+
+def _infer_scan(inf: _Inference, eqn, cur):
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    closed = p["jaxpr"]
+    consts_l = cur[:nc]
+    xs_l = cur[nc + nk:]
+    boxings = []
+    xs_need = []
+    for i, (lay, v) in enumerate(zip(xs_l, eqn.invars[nc + nk:])):
+        want = inf.lay(_unsplit_dim0(lay.nd_sbp), v.aval)
+        if (bx := inf.box(nc + nk + i, lay, want, v.aval)) is not None:
+            boxings.append(bx)
+        xs_need.append(want)
+    x_slice = [inf.lay(_shift_split(l.nd_sbp, -1), bv.aval) for l, bv in zip(xs_need, closed.jaxpr.invars[nc + nk:])]
+
+    def make_sub(carry):
+        body_out = [None] * (len(closed.jaxpr.outvars))
+        for i in range(nk):
+            body_out[i] = carry[i].nd_sbp
+        return inf.program(closed.jaxpr, closed.consts, list(consts_l) + list(carry) + x_slice, out_nd=body_out)
+
+    carry, sub = _infer_loop_carry(inf, make_sub, cur[nc: nc + nk])
+    for i, (c, want, v) in enumerate(zip(cur[nc: nc + nk], carry, eqn.invars[nc: nc + nk])):
+        if (bx := inf.box(nc + i, c, want, v.aval)) is not None:
+            boxings.append(bx)
+    ys = [inf.lay(_shift_split(l.nd_sbp, +1), v.aval) for l, v in zip(sub.out_layouts[nk:], eqn.outvars[nk:])]
+    in_lays = list(consts_l) + list(carry) + xs_need
+    return Step(eqn, in_lays, list(carry) + ys, boxings, sub=sub, kind="scan")
+
+
+def _infer_while(inf: _Inference, eqn, cur):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+    cconsts, bconsts, init = cur[:cn], cur[cn: cn + bn], cur[cn + bn:]
+
+    def make_sub(carry):
+        return inf.program(bj.jaxpr, bj.consts, list(bconsts) + list(carry), out_nd=[c.nd_sbp for c in carry])
+
+    carry, body = _infer_loop_carry(inf, make_sub, init)
+    cond = inf.program(cj.jaxpr, cj.consts, list(cconsts) + list(carry), out_nd=[(B,) * inf.placement.ndim])
+    boxings = []
+    for i, (c, want, v) in enumerate(zip(init, carry, eqn.invars[cn + bn:])):
+        if (bx := inf.box(cn + bn + i, c, want, v.aval)) is not None:
+            boxings.append(bx)
+    return Step(eqn, list(cconsts) + list(bconsts) + list(carry), list(carry), boxings, sub=(cond, body), kind="while")
+
+
+def _infer_cond(inf: _Inference, eqn, cur):
+    branches = eqn.params["branches"]
+    boxings = []
+    idx_want = inf.lay_b(eqn.invars[0].aval)
+    if (bx := inf.box(0, cur[0], idx_want, eqn.invars[0].aval)) is not None:
+        boxings.append(bx)
+    ops = cur[1:]
+    first = inf.program(branches[0].jaxpr, branches[0].consts, ops)
+    out_nd = [l.nd_sbp for l in first.out_layouts]
+    subs = [first] + [inf.program(b.jaxpr, b.consts, ops, out_nd=out_nd) for b in branches[1:]]
+    return Step(eqn, [idx_want] + list(ops), list(first.out_layouts), boxings, sub=subs, kind="cond")
+
+
+def _infer_annotate(inf: _Inference, eqn, cur):
+    nd = eqn.params["nd"]
+    if nd is None:
+        return Step(eqn, list(cur), list(cur), [], kind="annotate")
+    want = inf.lay(nd, eqn.invars[0].aval)
+    boxings = [bx] if (bx := inf.box(0, cur[0], want, eqn.invars[0].aval)) is not None else []
+    return Step(eqn, [want], [want], boxings, kind="annotate")
+
+
+_HIGHER_ORDER = {
+    "scan": _infer_scan,
+    "while": _infer_while,
+    "cond": _infer_cond,
+    "jsbp_to_global": _infer_annotate,
+}
+for _n in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+           "custom_vjp_call_jaxpr", "remat", "checkpoint", "custom_lin"):
+    _HIGHER_ORDER.setdefault(_n, _infer_call)
+
+
+# -------------------------------------------------------------------------------------------
+# emission: run a Program on local shards (inside shard_map)
+# -------------------------------------------------------------------------------------------
+
+
+def _apply_boxings(vals, boxings, invars=None, cache=None):
+    for bx in boxings:
+        key = None
+        if invars is not None and not isinstance(invars[bx.operand], jcore.Literal):
+            key = (invars[bx.operand], bx.dst.nd_sbp)
+            if key in cache:
+                vals[bx.operand] = cache[key]
+                continue
+        vals[bx.operand], _ = run_plan(vals[bx.operand], bx.moves, bx.src)
+        if key is not None:
+            cache[key] = vals[bx.operand]
+    return vals
+
+
+def run_program(prog: Program, local_inputs: list) -> list:
+    env: dict = {}
+    for v, c in zip(prog.jaxpr.constvars, prog.consts):
+        env[v] = jnp.asarray(c)
+    for v, x in zip(prog.jaxpr.invars, local_inputs):
+        env[v] = x
+
+    def read(v):
+        if isinstance(v, jcore.Literal):
+            return jnp.asarray(v.val, dtype=v.aval.dtype) if hasattr(v.aval, "dtype") else v.val
+        return env[v]
+
+    cache: dict = {}
+    for st in prog.steps:
+        ins = _apply_boxings([read(v) for v in st.eqn.invars], st.boxings, st.eqn.invars, cache)
+        outs = _EMIT[st.kind](st, ins)
+        for v, o in zip(st.eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = o
+    outs = [read(v) for v in prog.jaxpr.outvars]
+    return _apply_boxings(outs, prog.out_boxings)
+
+
+def _emit_prim(st: Step, ins):
+    rule = st.rule
+    eqn = st.eqn
+    if rule.local is not None:
+        outs = rule.local(st, ins)
+    else:
+        outs = eqn.primitive.bind(*ins, **eqn.params)
+    if not eqn.primitive.multiple_results:
+        outs = [outs]
+    return list(outs)
+
+
+def _emit_call(st, ins):
+    return run_program(st.sub, ins)
+
+
+def _emit_annotate(st, ins):
+    return ins
+
+
+def _emit_scan(st, ins):
+    p = st.eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    consts, init, xs = ins[:nc], ins[nc: nc + nk], ins[nc + nk:]
+    sub = st.sub
+
+    def body(carry, x):
+        out = run_program(sub, list(consts) + list(carry) + list(x))
+        return out[:nk], out[nk:]
+
+    carry, ys = lax.scan(body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return list(carry) + list(ys)
+
+
+def _emit_while(st, ins):
+    p = st.eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = ins[:cn], ins[cn: cn + bn], ins[cn + bn:]
+    cond, body = st.sub
+    out = lax.while_loop(
+        lambda c: run_program(cond, list(cconsts) + list(c))[0],
+        lambda c: run_program(body, list(bconsts) + list(c)),
+        list(init),
+    )
+    return list(out)
+
+
+def _emit_cond(st, ins):
+    idx, ops = ins[0], ins[1:]
+    fns = [(lambda *a, s=s: run_program(s, list(a))) for s in st.sub]
+    return list(lax.switch(idx, fns, *ops))
+
+
+_EMIT = {
+    "prim": _emit_prim, "call": _emit_call, "annotate": _emit_annotate,
+    "scan": _emit_scan, "while": _emit_while, "cond": _emit_cond,
+}
+
+
+# -------------------------------------------------------------------------------------------
+# walking a program (for explain / counts)
+# -------------------------------------------------------------------------------------------
+
+
+def iter_steps(prog: Program, depth=0):
+    """Yield (depth, step) for every step, nested programs included, then output boxings."""
+    for st in prog.steps:
+        yield depth, st
+        subs = st.sub if isinstance(st.sub, (list, tuple)) else ([st.sub] if st.sub is not None else [])
+        for s in subs:
+            yield from iter_steps(s, depth + 1)
+
+
+def all_boxings(prog: Program):
+    for _, st in iter_steps(prog):
+        yield from st.boxings
+        subs = st.sub if isinstance(st.sub, (list, tuple)) else ([st.sub] if st.sub is not None else [])
+        for s in subs:
+            yield from s.out_boxings
+    yield from prog.out_boxings
+
+
+def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
+    return _Inference(placement).program(jaxpr, consts, in_layouts, out_nd)
+
+
+def prod(xs):
+    return math.prod(xs)

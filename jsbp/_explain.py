@@ -1,0 +1,149 @@
+"""``jsbp.explain``: the plan of a consistent-view function, one row per equation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import _sbp
+from ._compiler import iter_steps
+from .debug._collectives import COLLECTIVES
+
+__all__ = ["explain", "Plan", "PlanRow", "BoxingRow"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxingRow:
+    """One inserted conversion: ``operand`` goes ``src -> dst`` with these collectives."""
+
+    operand: int
+    src: str
+    dst: str
+    collectives: tuple[str, ...]  # one entry per collective, e.g. ("all-gather",)
+    axes: tuple[tuple[str, ...], ...]  # the placement axes of each move
+    bytes_per_device: float
+    shape: tuple[int, ...]
+    reused: bool = False
+
+    def __str__(self):
+        kinds = "+".join(self.collectives) if self.collectives else "local"
+        if self.reused:
+            kinds = "reused"
+        return f"#{self.operand} {self.src}->{self.dst} [{kinds}] {_fmt_bytes(self.bytes_per_device)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    depth: int
+    primitive: str
+    inputs: tuple[str, ...]  # nd-sbp of each operand as it arrives
+    signature: str  # "(S(0)), (B) -> (S(0))": the layouts the op runs on
+    outputs: tuple[str, ...]
+    boxings: tuple[BoxingRow, ...]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def _boxing_row(bx) -> BoxingRow:
+    names = bx.src.placement.axis_names
+    return BoxingRow(
+        bx.operand,
+        _sbp.nd_str(bx.src.nd_sbp),
+        _sbp.nd_str(bx.dst.nd_sbp),
+        tuple(bx.collectives),
+        tuple(tuple(names[a] for a in m.axes) for m in bx.moves),
+        float(bx.bytes_per_device),
+        tuple(bx.src.shape),
+        bx.reused,
+    )
+
+
+@dataclasses.dataclass
+class Plan:
+    """The plan: ``rows`` (one per equation), ``output_boxings``, totals, text and HTML forms."""
+
+    rows: list[PlanRow]
+    output_boxings: list[BoxingRow]
+    placement: object
+
+    def boxings(self) -> list[BoxingRow]:
+        return [b for r in self.rows for b in r.boxings] + list(self.output_boxings)
+
+    def collectives(self) -> dict[str, int]:
+        """Collectives the plan inserts, by kind (comparable with ``debug.count_collectives``)."""
+        out = dict.fromkeys(COLLECTIVES, 0)
+        for b in self.boxings():
+            for c in b.collectives:
+                out[c] += 1
+        return out
+
+    @property
+    def total_bytes_per_device(self) -> float:
+        return sum(b.bytes_per_device for b in self.boxings())
+
+    def __str__(self):
+        lines = [f"plan on {self.placement}"]
+        header = f"{'op':<28} {'inputs':<34} {'signature':<40} boxing"
+        lines.append(header)
+        lines.append("-" * len(header))
+        for r in self.rows:
+            name = "  " * r.depth + r.primitive
+            box = "; ".join(str(b) for b in r.boxings)
+            lines.append(f"{name:<28} {', '.join(r.inputs):<34} {r.signature:<40} {box}")
+        for b in self.output_boxings:
+            lines.append(f"{'(output)':<28} {b.src:<34} {'-> ' + b.dst:<40} {b}")
+        c = {k: v for k, v in self.collectives().items() if v}
+        lines.append(
+            f"total: {sum(c.values())} collective(s) {c if c else ''}, "
+            f"{_fmt_bytes(self.total_bytes_per_device)} per device"
+        )
+        return "\n".join(lines)
+
+    def _repr_html_(self):
+        try:
+            from .viz import plan_html
+        except ImportError:  # viz not available: a plain preformatted table
+            import html
+
+            return f"<pre>{html.escape(str(self))}</pre>"
+        return plan_html(self)
+
+
+def plan_of_program(prog, placement) -> Plan:
+    rows = []
+    for depth, st in iter_steps(prog):
+        arriving = list(st.in_layouts)
+        for bx in st.boxings:
+            arriving[bx.operand] = bx.src
+        ins = tuple(_sbp.nd_str(l.nd_sbp) for l in arriving)
+        sig = ", ".join(_sbp.nd_str(l.nd_sbp) for l in st.in_layouts) + " -> " + ", ".join(
+            _sbp.nd_str(l.nd_sbp) for l in st.out_layouts
+        )
+        rows.append(
+            PlanRow(depth, st.eqn.primitive.name, ins, sig, tuple(_sbp.nd_str(l.nd_sbp) for l in st.out_layouts),
+                    tuple(_boxing_row(b) for b in st.boxings))
+        )
+        subs = st.sub if isinstance(st.sub, (list, tuple)) else ([st.sub] if st.sub is not None else [])
+        for s in subs:
+            for b in s.out_boxings:
+                rows.append(PlanRow(depth + 1, "(carry/branch out)", (b and _sbp.nd_str(b.src.nd_sbp),), "",
+                                    (_sbp.nd_str(b.dst.nd_sbp),), (_boxing_row(b),)))
+    return Plan(rows, [_boxing_row(b) for b in prog.out_boxings], placement)
+
+
+def explain(fn, *args) -> Plan:
+    """The plan jsbp makes for ``fn(*args)``: per equation the operands' nd-sbps, the chosen
+    signature and the boxing inserted (collectives, axes, bytes per device). ``str(plan)`` is a
+    text table; in Jupyter the plan renders as HTML. ``plan.collectives()`` matches
+    ``jsbp.debug.count_collectives(jsbp.jit(fn), *args)``.
+    """
+    from ._jit import JitFunction, jit
+
+    jf = fn if isinstance(fn, JitFunction) else jit(fn)
+    entry = jf.lower_program(*args)
+    return plan_of_program(entry.program, entry.placement)

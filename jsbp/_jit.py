@@ -1,0 +1,351 @@
+"""``jsbp.jit``: compile a consistent-view function into one full-manual ``shard_map`` program.
+
+Inside the function every global tensor argument is a plain *logical* ``jax.Array`` (tracer):
+write ordinary JAX. ``jsbp.to_global(x, sbp=..., grad_sbp=...)`` on such a value binds a layout
+annotation (the ``jsbp_to_global`` primitive) that the SBP inference honours; its transpose carries
+``grad_sbp`` into the backward pass (OneFlow's Megatron f/g idiom).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from . import _sbp
+from ._compiler import Program, infer, run_program
+from ._errors import PlacementError, SbpError
+from ._layout import Layout, layout_of, normalise_nd
+from ._placement import placement as Placement
+from ._tensor import GlobalTensor
+from ._trace import current_tracer, tracing
+
+__all__ = ["jit", "JitFunction", "to_global_p"]
+
+# -------------------------------------------------------------------------------------------
+# the layout-annotation primitive
+# -------------------------------------------------------------------------------------------
+
+to_global_p = Primitive("jsbp_to_global")
+to_global_p.def_impl(lambda x, *, nd, grad_nd: x)
+to_global_p.def_abstract_eval(lambda x, *, nd, grad_nd: x)
+mlir.register_lowering(to_global_p, lambda ctx, x, *, nd, grad_nd: [x])
+
+
+def _to_global_transpose(ct, x, *, nd, grad_nd):
+    if type(ct) is ad.Zero:
+        return [ct]
+    return [to_global_p.bind(ct, nd=grad_nd, grad_nd=None)]
+
+
+ad.deflinear2(to_global_p, _to_global_transpose)
+batching.defvectorized(to_global_p)
+
+
+class _Hook:
+    """Active while ``jsbp.jit`` traces: turns ``to_global`` on logical values into annotations."""
+
+    def __init__(self, placement: Placement):
+        self.placement = placement
+
+    def annotate(self, x, placement=None, sbp=None, grad_sbp=None):
+        if isinstance(x, GlobalTensor):
+            raise SbpError(
+                "inside jsbp.jit, global tensors are plain logical arrays; a GlobalTensor reached the "
+                f"traced function from outside ({x!r}). Pass it as an argument instead of closing over it."
+            )
+        if placement is not None and placement != self.placement:
+            raise PlacementError(
+                f"to_global inside jsbp.jit: the program runs on {self.placement!r}; moving a value to "
+                f"{placement!r} is only possible outside jsbp.jit (box it eagerly)."
+            )
+        shape = tuple(jnp.shape(x))
+        nd = None if sbp is None else normalise_nd(sbp, shape, self.placement, op="to_global")
+        gnd = None if grad_sbp is None else normalise_nd(grad_sbp, shape, self.placement, op="to_global(grad_sbp=)")
+        if nd is None and gnd is None:
+            return x
+        return to_global_p.bind(x, nd=nd, grad_nd=gnd)
+
+    def to_global(self, x, dst, grad):
+        return self.annotate(x, dst.placement, dst.nd_sbp, None if grad is None else grad.nd_sbp)
+
+
+# -------------------------------------------------------------------------------------------
+# compiled entries
+# -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Entry:
+    placement: Placement
+    in_layouts: list[Layout]
+    in_dtypes: list
+    program: Program
+    out_tree: Any
+    out_layouts: list[Layout]
+    out_dtypes: list
+    fn: Any  # jitted shard_map over physical arrays
+    flat_fn: Any  # logical flat function (for the backward program)
+    _bwd: Any = None
+    _diff: Any = None
+
+
+def _is_global(x):
+    return isinstance(x, GlobalTensor)
+
+
+def _partial_squeeze(lays):
+    return [bool(lay.partial_axes) for lay in lays]
+
+
+def _build_shard_map(placement, in_layouts, out_layouts, prog):
+    sq_in = _partial_squeeze(in_layouts)
+    sq_out = _partial_squeeze(out_layouts)
+
+    def body(*xs):
+        xs = [x[0] if s else x for x, s in zip(xs, sq_in)]
+        outs = run_program(prog, xs)
+        return tuple(o[None] if s else o for o, s in zip(outs, sq_out))
+
+    sm = jax.shard_map(
+        body,
+        mesh=placement.mesh,
+        in_specs=tuple(l.spec for l in in_layouts),
+        out_specs=tuple(l.spec for l in out_layouts),
+        check_vma=False,
+    )
+    return jax.jit(sm)
+
+
+def _out_nd_list(out_sbp, n_out, out_tree, placement, out_shapes):
+    if out_sbp is None:
+        return None
+    # a single nd-sbp for every output, or one per output leaf (sequence / pytree prefix)
+    try:
+        single = _sbp.parse_nd(out_sbp, placement.ndim)
+        specs = [single] * n_out
+    except SbpError:
+        if isinstance(out_sbp, (list, tuple)) and len(out_sbp) == n_out:
+            specs = [None if s is None else _sbp.parse_nd(s, placement.ndim) for s in out_sbp]
+        else:
+            leaves = jax.tree_util.tree_leaves(out_sbp, is_leaf=lambda s: s is None or isinstance(s, (str, _sbp.Sbp, tuple)))
+            if len(leaves) != n_out:
+                raise SbpError(
+                    f"jsbp.jit: out_sbp={out_sbp!r} gives {len(leaves)} layouts for {n_out} outputs; pass one "
+                    "nd-sbp for all outputs or one per output."
+                ) from None
+            specs = [None if s is None else _sbp.parse_nd(s, placement.ndim) for s in leaves]
+    return [None if s is None else normalise_nd(s, shp, placement, op="jsbp.jit(out_sbp=)") for s, shp in zip(specs, out_shapes)]
+
+
+def _trace(fn, treedef, static, in_layouts, in_dtypes, placement):
+    abstract = [jax.ShapeDtypeStruct(l.shape, d) for l, d in zip(in_layouts, in_dtypes)]
+    store = {}
+
+    def flat_fn(*logical):
+        args = jax.tree_util.tree_unflatten(treedef, list(logical))
+        args = _merge_static(args, static)
+        out = fn(*args)
+        leaves, tree = jax.tree_util.tree_flatten(out, is_leaf=_is_global)
+        if any(_is_global(x) for x in leaves):
+            raise SbpError(
+                "a function under jsbp.jit returned a GlobalTensor built inside it; inside jsbp.jit values "
+                "are logical arrays — return them directly (their layout is inferred)."
+            )
+        store["tree"] = tree
+        return [jnp.asarray(x) for x in leaves]
+
+    with tracing(_Hook(placement)):
+        closed = jax.make_jaxpr(flat_fn)(*abstract)
+    return closed, store["tree"], flat_fn
+
+
+def _merge_static(args, static):
+    if not static:
+        return tuple(args)
+    out = list(args)
+    for i, v in sorted(static):
+        out.insert(i, v)
+    return tuple(out)
+
+
+class JitFunction:
+    """A consistent-view function compiled by ``jsbp.jit``; call it with global tensors."""
+
+    def __init__(self, fn, *, out_sbp=None, static_argnums: int | Sequence[int] = ()):
+        self.fn = fn
+        self.out_sbp = out_sbp
+        self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+        self._cache: dict = {}
+        functools.update_wrapper(self, fn)
+
+    # -- argument handling -------------------------------------------------------------------
+    def _split(self, args):
+        static = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
+        dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        return dyn, static
+
+    def _prepare(self, args):
+        dyn, static = self._split(args)
+        leaves, treedef = jax.tree_util.tree_flatten(dyn, is_leaf=_is_global)
+        placement = None
+        for x in leaves:
+            if _is_global(x):
+                if placement is None:
+                    placement = x.placement
+                elif x.placement != placement:
+                    raise PlacementError(
+                        f"{getattr(self.fn, '__name__', 'function')}: arguments live on two placements, "
+                        f"{placement!r} and {x.placement!r}; box one with x.to_global(placement=...) first."
+                    )
+        if placement is None:
+            raise SbpError(
+                f"jsbp.jit({getattr(self.fn, '__name__', 'fn')}) needs at least one GlobalTensor argument "
+                "to know the placement; make one with jsbp.tensor(...)."
+            )
+        phys, lays, dtypes = [], [], []
+        for x in leaves:
+            if _is_global(x):
+                phys.append(x._value)
+                lays.append(x._layout)
+                dtypes.append(np.dtype(x._value.dtype))
+            else:
+                arr = x if isinstance(x, jax.Array) else jnp.asarray(x)
+                lay = layout_of(placement, (_sbp.broadcast,) * placement.ndim, tuple(arr.shape))
+                if not isinstance(arr, jax.core.Tracer):
+                    arr = jax.device_put(arr, lay.sharding)
+                phys.append(arr)
+                lays.append(lay)
+                dtypes.append(np.dtype(arr.dtype))
+        try:
+            skey = hash(static)
+        except TypeError:
+            raise SbpError(f"jsbp.jit: static arguments must be hashable, got {static!r}.") from None
+        del skey
+        key = (treedef, tuple(lays), tuple(dtypes), static)
+        return key, placement, treedef, static, lays, dtypes, phys
+
+    def _entry(self, key, placement, treedef, static, lays, dtypes) -> _Entry:
+        entry = self._cache.get(key)
+        if entry is None:
+            closed, out_tree, flat_fn = _trace(self.fn, treedef, static, lays, dtypes, placement)
+            out_avals = closed.out_avals
+            out_nd = _out_nd_list(self.out_sbp, len(out_avals), out_tree, placement, [a.shape for a in out_avals])
+            prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd)
+            fn = _build_shard_map(placement, lays, prog.out_layouts, prog)
+            entry = _Entry(placement, lays, dtypes, prog, out_tree, prog.out_layouts,
+                           [a.dtype for a in out_avals], fn, flat_fn)
+            self._cache[key] = entry
+        return entry
+
+    def lower_program(self, *args) -> _Entry:
+        key, placement, treedef, static, lays, dtypes, _ = self._prepare(args)
+        return self._entry(key, placement, treedef, static, lays, dtypes)
+
+    def __call__(self, *args):
+        key, placement, treedef, static, lays, dtypes, phys = self._prepare(args)
+        entry = self._entry(key, placement, treedef, static, lays, dtypes)
+        if any(isinstance(p, jax.core.Tracer) for p in phys):
+            outs = _differentiable(entry)(*phys)
+        else:
+            outs = entry.fn(*phys)
+        outs = [GlobalTensor(o, l) for o, l in zip(outs, entry.out_layouts)]
+        return jax.tree_util.tree_unflatten(entry.out_tree, outs)
+
+    def lower(self, *args):
+        """``jax.jit``-style lowering (used by ``jsbp.debug.count_collectives``)."""
+        key, placement, treedef, static, lays, dtypes, phys = self._prepare(args)
+        entry = self._entry(key, placement, treedef, static, lays, dtypes)
+        return entry.fn.lower(*phys)
+
+
+def _differentiable(entry: _Entry):
+    if entry._diff is not None:
+        return entry._diff
+
+    @jax.custom_vjp
+    def run(*phys):
+        return entry.fn(*phys)
+
+    def fwd(*phys):
+        return entry.fn(*phys), phys
+
+    def bwd(phys, cts):
+        bwd_fn, diff_idx = _backward(entry)
+        cts = [
+            c if not (hasattr(c, "dtype") and c.dtype == jax.dtypes.float0) else jnp.zeros(l.physical_shape, d)
+            for c, l, d in zip(cts, entry.out_layouts, entry.out_dtypes)
+        ]
+        grads = bwd_fn(*phys, *cts)
+        out = []
+        gi = iter(grads)
+        for i, (p, d) in enumerate(zip(phys, entry.in_dtypes)):
+            if i in diff_idx:
+                out.append(next(gi))
+            else:
+                out.append(np.zeros(np.shape(p), jax.dtypes.float0))
+        return tuple(out)
+
+    run.defvjp(fwd, bwd)
+    entry._diff = run
+    return run
+
+
+def _inexact(d):
+    return jnp.issubdtype(d, jnp.inexact)
+
+
+def _backward(entry: _Entry):
+    """The backward program: cotangents in the outputs' layouts -> gradients in the inputs' layouts."""
+    if entry._bwd is not None:
+        return entry._bwd
+    n_in = len(entry.in_layouts)
+    diff_idx = [i for i, d in enumerate(entry.in_dtypes) if _inexact(d)]
+    out_diff = [i for i, d in enumerate(entry.out_dtypes) if _inexact(d)]
+
+    def bwd_logical(*args):
+        primals, cts = args[:n_in], args[n_in:]
+
+        def f_diff(*xs):
+            full = list(primals)
+            for i, x in zip(diff_idx, xs):
+                full[i] = x
+            outs = entry.flat_fn(*full)
+            return [outs[i] for i in out_diff]
+
+        _, vjp = jax.vjp(f_diff, *[primals[i] for i in diff_idx])
+        return list(vjp([cts[i] for i in out_diff]))
+
+    in_lays = list(entry.in_layouts) + list(entry.out_layouts)
+    in_dts = list(entry.in_dtypes) + list(entry.out_dtypes)
+    abstract = [jax.ShapeDtypeStruct(l.shape, d) for l, d in zip(in_lays, in_dts)]
+    with tracing(_Hook(entry.placement)):
+        closed = jax.make_jaxpr(bwd_logical)(*abstract)
+    out_nd = [entry.in_layouts[i].nd_sbp for i in diff_idx]
+    prog = infer(entry.placement, closed.jaxpr, closed.consts, in_lays, out_nd)
+    fn = _build_shard_map(entry.placement, in_lays, prog.out_layouts, prog)
+    entry._bwd = (fn, set(diff_idx))
+    return entry._bwd
+
+
+def jit(fn=None, *, out_sbp=None, static_argnums: int | Sequence[int] = ()):
+    """Compile a consistent-view function of global tensors into one ``shard_map`` program.
+
+    Global tensor arguments arrive in ``fn`` as logical ``jax.Array`` s; plain arrays and scalars
+    are broadcast (``B``) on the arguments' placement. jsbp infers the layout of every value,
+    inserts the cheapest boxing where an op needs one, and returns global tensors whose layouts
+    are the inferred ones (``out_sbp`` forces them). Traced once per input signature.
+
+    >>> step = jsbp.jit(lambda x, w: jnp.tanh(x @ w))  # doctest: +SKIP
+    >>> y = step(x, w)   # x: (S(0)), w: (B)  ->  y: (S(0)), no communication  # doctest: +SKIP
+    """
+    if fn is None:
+        return functools.partial(jit, out_sbp=out_sbp, static_argnums=static_argnums)
+    return JitFunction(fn, out_sbp=out_sbp, static_argnums=static_argnums)

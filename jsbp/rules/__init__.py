@@ -1,0 +1,15 @@
+"""SBP rules, one file per primitive family, registered by decorator (see ``_registry``)."""
+
+from . import control as control
+from . import elementwise as elementwise
+from . import indexing as indexing
+from . import linalg as linalg
+from . import random as random
+from . import reduce as reduce
+from . import shape as shape
+from ._registry import AxisSignature as AxisSignature
+from ._registry import Rule as Rule
+from ._registry import RuleContext as RuleContext
+from ._registry import get_rule as get_rule
+from ._registry import register_sbp_rule as register_sbp_rule
+from ._registry import registered as registered
