@@ -494,3 +494,35 @@ def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
 
 def prod(xs):
     return math.prod(xs)
+
+
+# -------------------------------------------------------------------------------------------
+# rule validation support: one equation under a forced signature
+# -------------------------------------------------------------------------------------------
+
+
+def candidate_signatures(placement, eqn) -> list[tuple[tuple, tuple]]:
+    """Every nd signature the rule of ``eqn`` offers on ``placement`` (after expansion)."""
+    rule = _registry.get_rule(eqn.primitive.name)
+    ctx = RuleContext(eqn.primitive, dict(eqn.params), tuple(v.aval for v in eqn.invars),
+                      tuple(v.aval for v in eqn.outvars), placement.hierarchy, ())
+    if rule.nd:
+        cands = [_norm_sig(s) for s in rule.signatures(ctx)]
+    else:
+        cands = list(_expand(list(rule.signatures(ctx)), placement.ndim))
+    return [
+        (ins, outs) for ins, outs in cands
+        if all(_valid_nd(nd, v.aval.shape) for nd, v in zip(ins, eqn.invars))
+        and all(_valid_nd(nd, v.aval.shape) for nd, v in zip(outs, eqn.outvars))
+    ]
+
+
+def forced_program(placement, closed, in_nds, out_nds) -> Program:
+    """A Program running the single equation of ``closed`` under the given signature."""
+    (eqn,) = closed.jaxpr.eqns
+    inf = _Inference(placement)
+    in_lays = [inf.lay(nd, v.aval) for nd, v in zip(in_nds, eqn.invars)]
+    out_lays = [inf.lay(nd, v.aval) for nd, v in zip(out_nds, eqn.outvars)]
+    st = Step(eqn, in_lays, out_lays, [], rule=_registry.get_rule(eqn.primitive.name))
+    jaxpr_in = [inf.lay(nd, v.aval) for nd, v in zip(in_nds, closed.jaxpr.invars)] if closed.jaxpr.invars == eqn.invars else in_lays
+    return Program(closed.jaxpr, list(closed.consts), jaxpr_in, [st], out_lays, [], {})
