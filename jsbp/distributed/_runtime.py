@@ -1,0 +1,187 @@
+"""Starting and stopping JAX's distributed runtime from the environment.
+
+jsbp has no transport of its own: ``initialize()`` only decides the arguments of
+``jax.distributed.initialize`` (see ``_config``) and sets the two CPU options a multi-process CPU
+run needs (gloo collectives and the number of simulated devices) before JAX creates its backends.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from . import _config
+from ._errors import DistributedError
+
+__all__ = ["initialize", "is_initialized", "shutdown", "barrier", "config", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 300
+"""Seconds to wait for the other processes: at start-up, and in every collective step of jsbp."""
+
+_LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+
+_state: dict = {"config": None, "barriers": 0}
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _jax_distributed_state():
+    from jax._src import distributed
+
+    return distributed.global_state
+
+
+def is_initialized() -> bool:
+    """True once JAX's distributed runtime runs in this process (started by jsbp or by the user)."""
+    return jax.distributed.is_initialized()
+
+
+def config() -> _config.Config:
+    """The ``Config`` this process runs with: the one ``initialize()`` used, else the environment's."""
+    if _state["config"] is not None:
+        return _state["config"]
+    return _config.from_environ(os.environ)
+
+
+def _timeout_s() -> int:
+    raw = os.environ.get("JSBP_DISTRIBUTED_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        val = int(raw)
+        if val <= 0:
+            raise ValueError
+    except ValueError:
+        raise DistributedError(
+            f"jsbp.distributed: JSBP_DISTRIBUTED_TIMEOUT={raw!r} must be a positive number of seconds."
+        ) from None
+    return val
+
+
+def _set_cpu_devices(k: int) -> None:
+    current = jax.config.jax_num_cpu_devices
+    if current == k:
+        return
+    if _backends_started():
+        raise DistributedError(
+            f"jsbp.distributed.initialize: {k} CPU devices per process were asked for "
+            f"(JSBP_DEVICES_PER_PROCESS or devices_per_process=), but JAX has already started its "
+            f"backends with {current if current >= 0 else 'the default number of'} CPU devices. "
+            "Call jsbp.distributed.initialize() at the top of the script, before any JAX computation."
+        )
+    jax.config.update("jax_num_cpu_devices", k)
+
+
+def initialize(*, devices_per_process: int | None = None, timeout_s: int | None = None) -> _config.Config:
+    """Join the multi-process run this process was started in; a no-op for a single process.
+
+    Call it once, at the top of the script, before any JAX computation (JAX cannot add processes
+    to a backend that has started). Where the run is described:
+
+    * ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` (set by
+      ``python -m jsbp.launch`` and by ``torchrun``): rank 0 serves JAX's coordinator at
+      ``MASTER_ADDR:MASTER_PORT``. With ``LOCAL_WORLD_SIZE > 1`` on GPUs each process takes the
+      GPU numbered ``LOCAL_RANK`` (one process per GPU), unless ``CUDA_VISIBLE_DEVICES`` or
+      ``JAX_LOCAL_DEVICE_IDS`` already choose.
+    * otherwise a cluster JAX detects by itself (Open MPI's ``mpirun``, SLURM's ``srun``, a
+      Kubernetes indexed Job): ``jax.distributed.initialize()`` is called with no arguments.
+    * otherwise: a single process, nothing to start.
+
+    ``devices_per_process`` (or ``JSBP_DEVICES_PER_PROCESS``) gives each process that many
+    simulated CPU devices; CPU collectives across processes use gloo. ``timeout_s`` (or
+    ``JSBP_DISTRIBUTED_TIMEOUT``, default 300) bounds the wait for the other processes.
+
+    Returns the ``Config`` (rank, world size, ...). Calling it again is a no-op. Raises
+    ``jsbp.distributed.DistributedError`` (a ``ValueError``) naming the variables when they are
+    partial or contradictory (``RANK >= WORLD_SIZE``, a missing ``MASTER_PORT``, a non-integer).
+    """
+    if _state["config"] is not None:
+        return _state["config"]
+    cfg = _config.from_environ(os.environ)
+    k = devices_per_process if devices_per_process is not None else _config.devices_per_process(os.environ)
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise DistributedError(
+                f"jsbp.distributed.initialize: devices_per_process={k!r} must be a positive int."
+            )
+        _set_cpu_devices(k)
+    timeout = _timeout_s() if timeout_s is None else int(timeout_s)
+    if jax.distributed.is_initialized():
+        # the user (or a framework) started JAX's runtime already: adopt it
+        st = _jax_distributed_state()
+        cfg = _config.Config("jax", st.process_id, st.num_processes, cfg.local_rank, cfg.local_world_size)
+        _state["config"] = cfg
+        return cfg
+    if not cfg.multi_process:
+        _state["config"] = cfg
+        return cfg
+    if _backends_started():
+        raise DistributedError(
+            f"jsbp.distributed.initialize: this is process {cfg.rank} of {cfg.world_size} ({cfg.source}), "
+            "but JAX has already started its backends in this process as a single process (something "
+            "called jax.devices(), made an array or ran a computation first). Call "
+            "jsbp.distributed.initialize() at the top of the script, before any JAX computation."
+        )
+    if jax.config.jax_cpu_collectives_implementation is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if cfg.source == "env":
+        local_ids = None
+        if (
+            cfg.local_world_size is not None
+            and cfg.local_world_size > 1
+            and k is None
+            and not any(
+                v in os.environ
+                for v in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "JAX_LOCAL_DEVICE_IDS")
+            )
+        ):
+            local_ids = [cfg.local_rank]  # one accelerator per process; ignored by the CPU backend
+        host = cfg.coordinator_address.rsplit(":", 1)[0]
+        jax.distributed.initialize(
+            coordinator_address=cfg.coordinator_address,
+            num_processes=cfg.world_size,
+            process_id=cfg.rank,
+            local_device_ids=local_ids,
+            cluster_detection_method="deactivate",
+            initialization_timeout=timeout,
+            # a loopback coordinator listens on loopback only
+            coordinator_bind_address=cfg.coordinator_address if host in _LOOPBACK else None,
+        )
+    else:
+        method = cfg.source if cfg.source in ("ompi", "slurm") else None
+        jax.distributed.initialize(cluster_detection_method=method, initialization_timeout=timeout)
+        st = _jax_distributed_state()
+        cfg = _config.Config(cfg.source, st.process_id, st.num_processes, cfg.local_rank, cfg.local_world_size)
+    _state["config"] = cfg
+    return cfg
+
+
+def shutdown() -> None:
+    """Stop JAX's distributed runtime (if jsbp or the user started it). Safe to call twice."""
+    jax.distributed.shutdown()
+    _state["config"] = None
+
+
+def client():
+    """JAX's distributed-runtime client (its key-value store and barriers), or None."""
+    return _jax_distributed_state().client
+
+
+def barrier(name: str | None = None, *, timeout_s: int | None = None) -> None:
+    """Wait until every process reaches this call (a no-op for a single process).
+
+    Every process must call ``barrier`` the same number of times; ``name`` (default: a counter)
+    makes mismatches visible in the error.
+    """
+    c = client()
+    if c is None:
+        return
+    _state["barriers"] += 1
+    key = f"jsbp/barrier/{_state['barriers']}/{name or ''}"
+    timeout = _timeout_s() if timeout_s is None else int(timeout_s)
+    c.wait_at_barrier(key, timeout * 1000)
