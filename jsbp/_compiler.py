@@ -214,7 +214,13 @@ class _Inference:
                     cost += c
                     nmoves += n
             n_partial_out = sum(x.is_partial for nd in outs for x in nd)
-            key = (not exact, cost, nmoves, n_partial_out)
+            # splits created out of nothing (an axis where no input is split) only move work to the
+            # consumers, which slice B for free anyway: prefer keeping B
+            n_new_split = sum(
+                1 for a in range(self.placement.ndim)
+                if any(nd[a].is_split for nd in outs) and not any(nd[a].is_split for nd in ins)
+            )
+            key = (not exact, cost, nmoves, n_partial_out, n_new_split)
             if best is None or key < best[0]:
                 best = (key, ins, outs)
         if best is None:
@@ -488,7 +494,21 @@ def all_boxings(prog: Program):
     yield from prog.out_boxings
 
 
+def _dce(jaxpr):
+    """Drop equations whose results are unused (XLA would drop them and their collectives)."""
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        n_consts = len(jaxpr.constvars)
+        flat = pe.convert_constvars_jaxpr(jaxpr) if n_consts else jaxpr
+        new, _ = pe.dce_jaxpr(flat, [True] * len(flat.outvars), instantiate=True)
+        return pe.convert_invars_to_constvars(new, n_consts) if n_consts else new
+    except Exception:  # pragma: no cover - an internal API moved: plan without DCE
+        return jaxpr
+
+
 def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
+    jaxpr = _dce(jaxpr)
     return _Inference(placement).program(jaxpr, consts, in_layouts, out_nd)
 
 

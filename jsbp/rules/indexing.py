@@ -9,7 +9,7 @@ from jax import lax
 
 from .._boxing import _device_index
 from .._sbp import Split
-from ._common import B, P
+from ._common import B, P, mask_padding
 from ._registry import register_sbp_rule
 
 
@@ -103,6 +103,15 @@ def _scatter_local(st, ins):
     params = dict(st.eqn.params)
     dn = params["dimension_numbers"]
     lay = st.in_layouts[0]
+    # padded (garbage) update rows of an uneven split must not reach valid operand rows
+    upd_lay = st.in_layouts[2]
+    upd_batch = [d for d in range(upd.ndim) if d not in dn.update_window_dims]
+    if any(upd_lay.splitters[d] for d in upd_batch):
+        upd = mask_padding(upd, upd_lay, upd_batch, 0)
+        idx_lay = st.in_layouts[1]
+        big = jnp.iinfo(idx.dtype).max
+        idx = mask_padding(idx, idx_lay, range(idx.ndim - 1), big)
+        params["mode"] = lax.GatherScatterMode.FILL_OR_DROP
     vocab = [d for d in dn.scatter_dims_to_operand_dims if lay.splitters[d]]
     if not vocab:
         return st.eqn.primitive.bind(x, idx, upd, **params)
