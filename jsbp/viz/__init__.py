@@ -1,0 +1,28 @@
+"""Pictures of layouts, boxings and plans, for Jupyter (HTML) and terminals (text).
+
+``GlobalTensor._repr_html_`` and ``placement._repr_html_`` call into this package lazily, so the
+core never imports it. Every HTML picture is self-contained (inline CSS and SVG: no script, no
+external fetch) and readable on light and dark themes; no plotting library is needed.
+"""
+
+from ._boxing import boxing_html as boxing_html
+from ._boxing import boxing_steps as boxing_steps
+from ._boxing import boxing_text as boxing_text
+from ._placement import placement_html as placement_html
+from ._placement import placement_text as placement_text
+from ._plan import plan_html as plan_html
+from ._plan import plan_text as plan_text
+from ._tensor import tensor_html as tensor_html
+from ._tensor import tensor_text as tensor_text
+
+__all__ = [
+    "tensor_html",
+    "tensor_text",
+    "placement_html",
+    "placement_text",
+    "boxing_html",
+    "boxing_text",
+    "boxing_steps",
+    "plan_html",
+    "plan_text",
+]
