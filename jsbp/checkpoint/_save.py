@@ -1,0 +1,186 @@
+"""``save``: write a pytree of global tensors by logical value, atomically.
+
+The sequence (all processes call ``save`` with the same tree)::
+
+    <path>.jsbp-partial/            created empty by process 0
+    <path>.jsbp-partial/state/      orbax writes the data; every process its own shards
+    <path>.jsbp-partial/jsbp_manifest.json
+                                    process 0 hashes every file, then writes the commit record
+    <path>                          process 0 renames the finished directory into place
+
+A save killed at any point before the last rename leaves ``<path>`` as it was (the previous
+checkpoint, or nothing) and a ``.jsbp-partial`` directory without a commit record, which
+``load`` refuses with a clear message. With ``overwrite=True`` the old checkpoint is first moved
+to ``<path>.jsbp-old`` and deleted only after the new one is in place; a save killed between the
+two renames is repaired by the next ``save`` or ``load`` of that path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import jax
+import numpy as np
+from jax.tree_util import keystr, tree_flatten_with_path
+
+from .. import _sbp
+from .._tensor import GlobalTensor
+from . import _backend, _manifest, _sync
+from ._errors import CheckpointError
+from ._storage import placement_to_json, storage_layout
+
+__all__ = ["save"]
+
+PAUSE_ENV = "JSBP_CHECKPOINT_TEST_PAUSE"
+"""Test hook: ``<point>:<sentinel file>``. When set, ``save`` touches the sentinel file at
+``<point>`` (``before_commit``: data written, no commit record yet; ``between_renames``: an
+``overwrite=True`` save has moved the old checkpoint aside) and then sleeps until it is killed.
+Used by the tests that kill a save half way; never set it otherwise."""
+
+
+def _pause_point(point: str) -> None:
+    spec = os.environ.get(PAUSE_ENV, "")
+    if not spec or spec.split(":", 1)[0] != point:
+        return
+    with open(spec.split(":", 1)[1], "w") as f:
+        f.write(str(os.getpid()))
+    while True:  # pragma: no cover - the test kills us here
+        time.sleep(1)
+
+
+def is_leaf(x) -> bool:
+    return isinstance(x, GlobalTensor)
+
+
+_UNSUPPORTED = (
+    "save: the leaf at {path} is a {type} ({value}); a checkpoint holds global tensors, jax / numpy "
+    "arrays and Python bool / int / float scalars. Convert it, or keep it out of the saved tree."
+)
+
+
+def _entry(i: int, kp, leaf) -> tuple[dict, object | None]:
+    """The manifest entry of one leaf and the array to hand to orbax (or None)."""
+    path = keystr(kp)
+    e = {"path": path, "keys": [_manifest.encode_key(k) for k in kp], "name": f"leaf_{i:05d}"}
+    if isinstance(leaf, GlobalTensor):
+        if isinstance(leaf.physical, jax.core.Tracer):
+            raise CheckpointError(
+                f"save: the global tensor at {path} is a tracer; save concrete values, outside "
+                "jax.jit / jax.grad."
+            )
+        lay = leaf.layout
+        e.update(
+            kind="global",
+            shape=list(lay.shape),
+            dtype=np.dtype(leaf.dtype).name,
+            placement=placement_to_json(lay.placement),
+            sbp=_sbp.nd_str(lay.nd_sbp),
+        )
+        if leaf.size == 0:
+            return e, None
+        st = storage_layout(lay)
+        e["stored_sbp"] = _sbp.nd_str(st.nd_sbp)
+        arr = leaf.to_global(sbp=st.nd_sbp).physical
+        assert tuple(arr.shape) == lay.shape, (arr.shape, lay)
+        return e, arr
+    if isinstance(leaf, jax.Array):
+        if isinstance(leaf, jax.core.Tracer):
+            raise CheckpointError(f"save: the leaf at {path} is a tracer; save concrete values.")
+        e.update(kind="jax", shape=list(leaf.shape), dtype=np.dtype(leaf.dtype).name)
+        return e, (leaf if leaf.size else None)
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        arr = np.asarray(leaf)
+        if arr.dtype == object:
+            raise CheckpointError(
+                _UNSUPPORTED.format(
+                    path=path, type="numpy object array", value=f"shape {arr.shape}"
+                )
+            )
+        e.update(
+            kind="numpy",
+            shape=list(arr.shape),
+            dtype=arr.dtype.name,
+            numpy_scalar=isinstance(leaf, np.generic),
+        )
+        return e, (arr if arr.size else None)
+    if isinstance(leaf, (bool, int, float)):
+        e.update(kind="scalar", value=leaf, pytype=type(leaf).__name__)
+        return e, None
+    raise CheckpointError(
+        _UNSUPPORTED.format(path=path, type=type(leaf).__name__, value=repr(leaf)[:80])
+    )
+
+
+def save(path, tree, *, overwrite: bool = False) -> str:
+    """Save ``tree`` (global tensors, jax / numpy arrays, scalars; NNX states) at ``path``.
+
+    Tensors are written by logical value: partial sums are reduced, padding is never written, and
+    each process writes only the shards its devices own. The save is atomic (see the module doc):
+    ``path`` only ever holds a complete checkpoint. Returns the absolute path.
+
+    Raises ``CheckpointError`` if ``path`` exists and ``overwrite`` is false, or for a leaf that
+    cannot be saved (named by its path in the tree).
+    """
+    root = os.path.abspath(os.fspath(path))
+    tmp, old = root + _manifest.PARTIAL_SUFFIX, root + _manifest.OLD_SUFFIX
+    flat, _ = tree_flatten_with_path(tree, is_leaf=is_leaf)
+    entries, arrays = [], {}
+    for i, (kp, leaf) in enumerate(flat):
+        e, arr = _entry(i, kp, leaf)
+        entries.append(e)
+        if arr is not None:
+            arrays[e["name"]] = arr
+    if (os.path.isdir(root) or os.path.isdir(old)) and not overwrite:
+        raise CheckpointError(
+            f"save: a checkpoint already exists at {root}; pass overwrite=True to replace it "
+            "(or save to a new path, e.g. with jsbp.checkpoint.save_step)."
+        )
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"save: {root} exists and is not a directory.")
+
+    if _sync.is_primary():
+        _recover(root)
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)  # left by an earlier interrupted save of this path
+        os.makedirs(tmp)
+    _sync.barrier(f"start {root}")
+    if arrays:
+        _backend.write(os.path.join(tmp, _backend.STATE), arrays)
+    _sync.barrier(f"data {root}")
+    if _sync.is_primary():
+        _pause_point("before_commit")
+        files = _manifest.hash_files(tmp, _manifest.list_files(tmp), sync=True)
+        body = {
+            "format": _manifest.FORMAT,
+            "version": _manifest.VERSION,
+            "created_unix": time.time(),
+            "jax_version": jax.__version__,
+            "process_count": jax.process_count(),
+            "leaves": entries,
+            "files": files,
+        }
+        _manifest.write(tmp, body)
+        if os.path.isdir(root):
+            os.rename(root, old)
+            _pause_point("between_renames")
+            os.rename(tmp, root)
+            _manifest._fsync_dir(os.path.dirname(root))
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, root)
+            _manifest._fsync_dir(os.path.dirname(root))
+    _sync.barrier(f"commit {root}")
+    return root
+
+
+def _recover(root: str) -> None:
+    """Repair what an ``overwrite=True`` save killed between its two renames left behind."""
+    old = root + _manifest.OLD_SUFFIX
+    if not os.path.isdir(old):
+        return
+    if os.path.isdir(root):
+        shutil.rmtree(old)  # the new checkpoint was in place; only the cleanup was missed
+    else:
+        os.rename(old, root)  # the new one never arrived: put the previous one back

@@ -1,0 +1,18 @@
+"""The few multi-process facts a checkpoint needs: who is primary, and a barrier."""
+
+from __future__ import annotations
+
+import jax
+
+
+def is_primary() -> bool:
+    """Process 0 does the file-system bookkeeping (directories, manifest, renames)."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process got here (no-op in a single process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"jsbp.checkpoint:{name}")
