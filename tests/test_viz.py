@@ -457,7 +457,7 @@ def test_boxing_steps_are_the_planners_moves():
     for src, dst in itertools.product(CASES_2D, repeat=2):
         a = layout_of(p, normalise_nd(src, (6, 5), p), (6, 5))
         b = layout_of(p, normalise_nd(dst, (6, 5), p), (6, 5))
-        st = viz.boxing_steps(a, b, 4)
+        st = viz.boxing_steps(a, dst)  # a Layout: 4-byte items
         moves = plan(a.nd_sbp, b.nd_sbp, (6, 5), (2, 2), 4)
         assert [(s.axes, s.collective, s.bytes_per_device) for s in st] == [
             (m.axes, m.collective, m.bytes_per_device) for m in moves
@@ -474,25 +474,19 @@ def test_boxing_steps_are_the_planners_moves():
 @dataclasses.dataclass
 class Row:
     primitive: str
-    in_sbps: tuple
+    inputs: tuple
     signature: str
-    boxing: tuple = ()
+    boxings: tuple = ()
 
 
-@dataclasses.dataclass
-class FakeBoxing:  # like the compiler's Boxing: moves for one operand
-    operand: int
-    moves: tuple
-
-
-PLAN = [
+PLAN = [  # the same interface three ways: a mapping, an object with a tuple entry, one with a Move
     {"primitive": "dot_general", "in_sbps": ["(S(0))", "(B)"], "signature": "(S(0), B) -> S(0)"},
-    Row("reduce_sum", (("S(0)",),), "(S(0)) -> P", ((("all-reduce", (0,), 2048.0)),)),
+    Row("reduce_sum", (("S(0)",),), "(S(0)) -> P", (("all-reduce", (0,), 2048.0),)),
     Row(
         "add",
         ((jsbp.sbp.broadcast,), (jsbp.sbp.split(0),)),
         "(S(0), S(0)) -> S(0)",
-        (FakeBoxing(0, (Move((0,), jsbp.sbp.broadcast, jsbp.sbp.split(0), None, 0.0),)),),
+        (Move((0,), jsbp.sbp.broadcast, jsbp.sbp.split(0), None, 0.0),),
     ),
 ]
 
@@ -500,10 +494,10 @@ PLAN = [
 def test_plan_text_snapshot():
     assert viz.plan_text(PLAN) == textwrap.dedent(
         """\
-           #  primitive    inputs       signature             boxing          bytes/device
-           1  dot_general  (S(0)), (B)  (S(0), B) -> S(0)     -               -
-        *  2  reduce_sum   (S(0))       (S(0)) -> P           all-reduce [0]  2.0 KiB
-           3  add          (B), (S(0))  (S(0), S(0)) -> S(0)  in0: local [0]  0 B
+           #  primitive    inputs       signature             boxing             bytes/device
+           1  dot_general  (S(0)), (B)  (S(0), B) -> S(0)     -                  -
+        *  2  reduce_sum   (S(0))       (S(0)) -> P           all-reduce on [0]  2.0 KiB
+           3  add          (B), (S(0))  (S(0), S(0)) -> S(0)  local on [0]       0 B
         total: 3 equations · 2 with boxing · all-reduce ×1 · 2.0 KiB received per device"""
     )
 
@@ -514,7 +508,8 @@ def test_plan_html_rows_and_totals():
     assert len(rows) == 3
     assert ["jsbp-boxed" in r.classes() for r in rows] == [False, True, False]
     assert ["jsbp-local-boxing" in r.classes() for r in rows] == [False, False, True]
-    assert "<b>" in viz.plan_html(PLAN)  # collectives in bold
+    assert [r.attrs["data-collectives"] for r in rows] == ["0", "1", "0"]
+    assert [n.all_text() for n in rows[1].find(tag="b")] == ["all-reduce on [0]"]
     assert (
         tree.root.find("jsbp-totals")[0]
         .all_text()
@@ -528,7 +523,35 @@ def test_plan_html_rows_and_totals():
         == "total: 3 equations · 2 with boxing · all-gather ×2 · 4.0 KiB received per device"
     )
     with pytest.raises(TypeError, match="signature"):
-        viz.plan_text([{"primitive": "add", "in_sbps": []}])
+        viz.plan_text([{"primitive": "add", "inputs": []}])
+
+
+def test_explain_plan_renders():
+    """``jsbp.explain``'s plan is a plan of this interface; its HTML repr is ``plan_html``."""
+    m = placement_of((2, 4), ("dp", "tp"))
+    x = jsbp.ones(8, 16, placement=m, sbp=("S(0)", "B"))
+    w = jsbp.ones(16, 8, placement=m, sbp=("B", "S(1)"))
+    plan = jsbp.explain(lambda x, w: jsbp.to_global(x @ w, sbp=("B", "B")), x, w)
+    html = plan._repr_html_()
+    assert html == viz.plan_html(plan)
+    tree = assert_self_contained(html)
+    rows = tree.root.find("jsbp-row")
+    assert len(rows) == len(plan.rows) + len(plan.output_boxings)
+    want = {k: v for k, v in plan.collectives().items() if v}
+    assert sum(want.values()) >= 1
+    assert sum(int(r.attrs["data-collectives"]) for r in rows) == sum(want.values())
+    n_boxed = sum(1 for r in plan.rows if any(b.collectives for b in r.boxings))
+    assert len(tree.root.find("jsbp-boxed")) == n_boxed + sum(
+        1 for b in plan.output_boxings if b.collectives
+    )
+    what = ", ".join(f"{k} ×{v}" for k, v in sorted(want.items()))
+    assert what in tree.root.find("jsbp-totals")[0].all_text()
+    text = viz.plan_text(plan)
+    assert text.splitlines()[0] == f"plan on {m}"
+    body = text.splitlines()[2:-1]
+    assert len(body) == len(plan.rows) + len(plan.output_boxings)
+    for line, r in zip(body, plan.rows):
+        assert r.primitive in line and line.startswith("*") == any(b.collectives for b in r.boxings)
 
 
 # -------------------------------------------------------------------------------------------

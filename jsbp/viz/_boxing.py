@@ -26,7 +26,7 @@ from ._svg import esc
 from ._tensor import layout_figure
 from ._text import grid_text, legend_text
 
-__all__ = ["Step", "boxing_steps", "boxing_html", "boxing_text"]
+__all__ = ["Step", "boxing_steps", "steps_between", "boxing_html", "boxing_text"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _block_bytes(lay: Layout, itemsize: int) -> int:
     return max((math.prod(n for _, n in blk) for blk in lay.blocks), default=0) * itemsize
 
 
-def boxing_steps(src: Layout, dst: Layout, itemsize: int = 4) -> tuple[Step, ...]:
+def steps_between(src: Layout, dst: Layout, itemsize: int = 4) -> tuple[Step, ...]:
     """The steps from layout ``src`` to ``dst`` (same logical shape), as ``to_global`` runs them."""
     if src.shape != dst.shape:
         raise SbpError(f"a boxing keeps the logical shape; got {src.shape} -> {dst.shape}.")
@@ -189,7 +189,7 @@ def layouts_boxing_html(
     src: Layout, dst: Layout, dtype: str = "", itemsize: int = 4, *, dims=None
 ) -> str:
     """``boxing_html`` for two layouts (what a plan renderer needs; no tensor required)."""
-    steps = boxing_steps(src, dst, itemsize)
+    steps = steps_between(src, dst, itemsize)
     side = 200
     parts = [
         layout_figure(
@@ -214,6 +214,15 @@ def layouts_boxing_html(
     return frame("boxing", title, sub, body)
 
 
+def boxing_steps(x, sbp=None, placement=None) -> tuple[Step, ...]:
+    """The ``Step`` s of ``x.to_global(placement, sbp)``, as data (what the pictures draw).
+
+    ``x`` is a global tensor (or a ``Layout``: 4-byte items assumed). Nothing is run.
+    """
+    src, dst, _, itemsize = _target(x, sbp, placement, "boxing_steps")
+    return steps_between(src, dst, itemsize)
+
+
 def boxing_html(x, sbp=None, placement=None, *, dims=None) -> str:
     """HTML picture of ``x.to_global(placement, sbp)``: before -> each step -> after.
 
@@ -227,7 +236,7 @@ def boxing_html(x, sbp=None, placement=None, *, dims=None) -> str:
 def boxing_text(x, sbp=None, placement=None, *, dims=None) -> str:
     """Plain-text ``boxing_html``: the steps with their collectives and bytes, then before / after."""
     src, dst, dtype, itemsize = _target(x, sbp, placement, "boxing_text")
-    steps = boxing_steps(src, dst, itemsize)
+    steps = steps_between(src, dst, itemsize)
     where = f"{src.placement}" + (f" -> {dst.placement}" if dst.placement != src.placement else "")
     lines = [
         f"boxing {dtype}[{', '.join(map(str, src.shape))}] on {where}: "

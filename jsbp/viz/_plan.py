@@ -1,8 +1,13 @@
 """Tables of a plan (``jsbp.explain``): one row per equation, boxings highlighted, totals.
 
-The renderer is duck-typed, so any planner can feed it. The interface:
+``jsbp.explain(fn, *args)`` returns a plan this module renders as is (``Plan._repr_html_`` calls
+``plan_html``). The renderer is duck-typed, so any planner can feed it; the interface:
 
-**plan**: a sequence of rows, or an object (or mapping) with ``rows`` and optionally ``totals``.
+**plan**: a sequence of rows, or an object (or mapping) with ``rows`` and optionally
+``output_boxings`` (boxing entries applied to the function's outputs, shown as ``(output)`` rows),
+``placement`` (shown in the title) and totals: either ``totals`` (``bytes_per_device`` and
+``collectives``, a mapping ``kind -> count``) or ``explain``'s ``collectives()`` method and
+``total_bytes_per_device``. Totals are computed from the rows when none are given.
 
 **row**: an object with attributes, or a mapping with keys:
 
@@ -10,30 +15,31 @@ The renderer is duck-typed, so any planner can feed it. The interface:
 field          meaning                                                                   required
 =============  ========================================================================  =========
 ``primitive``  the JAX primitive's name, e.g. ``"dot_general"``                          yes
-``in_sbps``    one nd-sbp per input: a tuple of ``Sbp`` / strings, or a string such as    yes
-               ``"(S(0), B)"``; ``None`` for an input that is not a global tensor
+``inputs``     one nd-sbp per operand as it arrives: a string such as ``"(S(0), B)"`` or  yes
+               a tuple of ``Sbp`` / strings; ``None`` for an operand that is not global
+               (``in_sbps`` is accepted too)
 ``signature``  the chosen signature; its ``str`` is shown, e.g. ``"(S(0), B) -> S(0)"``  yes
-``boxing``     the boxings inserted before the equation (empty or ``None``: none); each   no
-               is a *boxing entry* (below)
-``out_sbps``   one nd-sbp per output                                                     no
+``boxings``    the boxing entries inserted before the equation (``boxing`` is accepted)  no
+``outputs``    one nd-sbp per output (``out_sbps`` is accepted)                          no
+``depth``      nesting level of equations of nested jaxprs (indents the primitive)       no
 ``name``       a label shown under the primitive (a variable, a source line)            no
-``depth``      nesting level for equations of nested jaxprs (indents the primitive)      no
 =============  ========================================================================  =========
 
-**boxing entry**: an object, a mapping or a ``(kind, axes, bytes_per_device)`` tuple, with
-``kind`` (``"all-gather"``, ``"all-reduce"``, ``"reduce-scatter"``, ``"all-to-all"``, or ``None`` /
-``"local"`` for no communication), ``axes`` (placement axes: ints or names) and
-``bytes_per_device`` (bytes received per device). A core ``jsbp._boxing.Move`` works as is
-(``collective`` is read as ``kind``), and so does an object with ``moves`` (a sequence of such
-entries) and an optional ``operand`` (the input index it boxes), like the compiler's ``Boxing``.
+**boxing entry**: an object, a mapping, or a ``(kind, axes, bytes_per_device)`` tuple, with
 
-**totals** (optional): an object or mapping with ``bytes_per_device`` and ``collectives`` (a mapping
-``kind -> count``); computed from the rows when absent.
+* the collectives: ``collectives`` (a sequence of names, empty for local work), or one ``kind``
+  (or ``collective``): ``"all-gather"``, ``"all-reduce"``, ``"reduce-scatter"``, ``"all-to-all"``,
+  ``None`` / ``"local"`` for no communication;
+* ``axes``: placement axes (ints or names), or one tuple of axes per move;
+* ``bytes_per_device``: bytes received per device;
+* optionally ``operand`` (the input index), ``src`` / ``dst`` (nd-sbps or layouts) and ``reused``.
+
+A core ``jsbp._boxing.Move`` and ``jsbp.explain``'s ``BoxingRow`` are both boxing entries.
 
 >>> jsbp.viz.plan_text([
-...     {"primitive": "dot_general", "in_sbps": ["(S(0))", "(B)"], "signature": "(S(0), B) -> S(0)"},
-...     {"primitive": "reduce_sum", "in_sbps": ["(S(0))"], "signature": "(S(0)) -> P",
-...      "boxing": [("all-reduce", (0,), 2048.0)]},
+...     {"primitive": "dot_general", "inputs": ["(S(0))", "(B)"], "signature": "(S(0), B) -> S(0)"},
+...     {"primitive": "reduce_sum", "inputs": ["(S(0))"], "signature": "(S(0)) -> P",
+...      "boxings": [("all-reduce", (0,), 2048.0)]},
 ... ])  # doctest: +SKIP
 """
 
@@ -44,6 +50,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from .. import _sbp
+from .._layout import Layout
 from ._html import RULE, frame
 from ._model import fmt_bytes
 from ._svg import esc
@@ -55,17 +62,20 @@ _MISSING = object()
 
 @dataclasses.dataclass(frozen=True)
 class BoxingEntry:
-    """One boxing step as the tables show it."""
+    """One boxing as the tables show it."""
 
-    kind: str | None  # a collective's name, or None for local work
-    axes: tuple
+    kinds: tuple[str, ...]  # the collectives it runs (empty: local work only)
+    axes: str  # the placement axes, as shown
     bytes_per_device: float
     operand: int | None = None
+    change: str | None = None  # "(S(0), B) -> (B, B)"
+    reused: bool = False
 
     def words(self) -> str:
         on = f"in{self.operand}: " if self.operand is not None else ""
-        axes = ", ".join(map(str, self.axes))
-        return f"{on}{self.kind or 'local'} [{axes}]"
+        change = f"{self.change} " if self.change else ""
+        kinds = "+".join(self.kinds) or "local"
+        return f"{on}{change}{kinds} on {self.axes}{' (reused)' if self.reused else ''}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,33 +83,33 @@ class PlanRow:
     """A row, normalised from whatever the planner gave."""
 
     primitive: str
-    in_sbps: tuple[str, ...]
+    inputs: tuple[str, ...]
     signature: str
-    boxing: tuple[BoxingEntry, ...]
-    out_sbps: tuple[str, ...] | None
+    boxings: tuple[BoxingEntry, ...]
+    outputs: tuple[str, ...] | None
     name: str | None
     depth: int
 
     @property
-    def collectives(self) -> tuple[BoxingEntry, ...]:
-        return tuple(b for b in self.boxing if b.kind)
+    def has_collective(self) -> bool:
+        return any(b.kinds for b in self.boxings)
 
     @property
     def bytes_per_device(self) -> float:
-        return float(sum(b.bytes_per_device for b in self.boxing))
+        return float(sum(b.bytes_per_device for b in self.boxings))
 
 
-def _get(obj, name, default=_MISSING):
-    if isinstance(obj, Mapping):
-        value = obj.get(name, default)
-    else:
-        value = getattr(obj, name, default)
-    if value is _MISSING:
+def _get(obj, name, default=_MISSING, *aliases):
+    for key in (name, *aliases):
+        value = obj.get(key, _MISSING) if isinstance(obj, Mapping) else getattr(obj, key, _MISSING)
+        if value is not _MISSING:
+            return value
+    if default is _MISSING:
         raise TypeError(
-            f"plan row {obj!r} has no {name!r}; a row needs primitive, in_sbps and signature "
-            "(see jsbp.viz._plan's docstring for the interface)."
+            f"plan row {obj!r} has no {name!r}; a row needs primitive, inputs and signature "
+            "(see the interface in jsbp.viz._plan's docstring)."
         )
-    return value
+    return default
 
 
 def _nd_words(nd) -> str:
@@ -107,35 +117,45 @@ def _nd_words(nd) -> str:
         return "-"
     if isinstance(nd, str):
         return nd
+    if isinstance(nd, Layout):
+        return _sbp.nd_str(nd.nd_sbp)
     if isinstance(nd, _sbp.Sbp):
         return f"({nd})"
     return _sbp.nd_str(tuple(_sbp.parse(s) for s in nd))
 
 
-def _entries(b, operand=None):
-    moves = None if isinstance(b, tuple) else _get(b, "moves", None)
-    if moves is not None:
-        op = _get(b, "operand", None)
-        for mv in moves:
-            yield from _entries(mv, op)
-        return
+def _axes_words(axes) -> str:
+    if isinstance(axes, (int, str)):
+        axes = (axes,)
+    axes = tuple(axes)
+    if axes and all(isinstance(a, (tuple, list)) for a in axes):  # one tuple per move
+        return " ".join("[" + ", ".join(map(str, a)) + "]" for a in axes)
+    return "[" + ", ".join(map(str, axes)) + "]"
+
+
+def _entry(b) -> BoxingEntry:
     if isinstance(b, tuple):
         kind, axes, nbytes = b
-    else:
-        kind = _get(b, "kind", None)
-        if kind is None:
-            kind = _get(b, "collective", None)
-        axes = _get(b, "axes", ())
-        nbytes = _get(b, "bytes_per_device", 0.0)
-    if kind == "local":
-        kind = None
-    op = (
-        operand
-        if operand is not None
-        else (None if isinstance(b, tuple) else _get(b, "operand", None))
-    )
-    yield BoxingEntry(
-        kind, tuple(axes) if not isinstance(axes, (int, str)) else (axes,), float(nbytes), op
+        return BoxingEntry(
+            () if kind in (None, "local") else (kind,), _axes_words(axes), float(nbytes)
+        )
+    kinds = _get(b, "collectives", None)
+    if kinds is None or callable(kinds):
+        kind = _get(b, "kind", None, "collective")
+        kinds = () if kind in (None, "local") else (kind,)
+    src, dst = _get(b, "src", None), _get(b, "dst", None)
+    change = None
+    if (
+        src is not None and dst is not None and not isinstance(src, _sbp.Sbp)
+    ):  # a Move's src is one Sbp
+        change = f"{_nd_words(src)} -> {_nd_words(dst)}"
+    return BoxingEntry(
+        tuple(k for k in kinds if k not in (None, "local")),
+        _axes_words(_get(b, "axes", ())),
+        float(_get(b, "bytes_per_device", 0.0)),
+        _get(b, "operand", None),
+        change,
+        bool(_get(b, "reused", False)),
     )
 
 
@@ -154,39 +174,70 @@ def _entry_list(boxing) -> list:
     return [boxing]
 
 
+def _row(r) -> PlanRow:
+    outs = _get(r, "outputs", None, "out_sbps")
+    return PlanRow(
+        primitive=str(_get(r, "primitive")),
+        inputs=tuple(_nd_words(s) for s in _get(r, "inputs", _MISSING, "in_sbps")),
+        signature=str(_get(r, "signature")),
+        boxings=tuple(_entry(b) for b in _entry_list(_get(r, "boxings", None, "boxing"))),
+        outputs=None if outs is None else tuple(_nd_words(s) for s in outs),
+        name=_get(r, "name", None),
+        depth=int(_get(r, "depth", 0) or 0),
+    )
+
+
 def normalise_plan(plan) -> tuple[tuple[PlanRow, ...], dict]:
-    """``(rows, totals)`` from a plan in the duck-typed interface (see the module docstring)."""
-    rows_in = plan if isinstance(plan, Sequence) else _get(plan, "rows")
-    totals_in = None if isinstance(plan, Sequence) else _get(plan, "totals", None)
-    rows = []
-    for r in rows_in:
-        boxing = _entry_list(_get(r, "boxing", None))
-        outs = _get(r, "out_sbps", None)
-        rows.append(
-            PlanRow(
-                primitive=str(_get(r, "primitive")),
-                in_sbps=tuple(_nd_words(s) for s in _get(r, "in_sbps")),
-                signature=str(_get(r, "signature")),
-                boxing=tuple(e for b in boxing for e in _entries(b)),
-                out_sbps=None if outs is None else tuple(_nd_words(s) for s in outs),
-                name=_get(r, "name", None),
-                depth=int(_get(r, "depth", 0) or 0),
+    """``(rows, totals)`` from a plan in the duck-typed interface (see the module docstring).
+
+    ``totals`` has ``bytes_per_device``, ``collectives`` (kind -> count, zeros dropped) and
+    ``placement`` (or None).
+    """
+    is_rows = isinstance(plan, Sequence) and not isinstance(plan, (str, Mapping))
+    rows = [_row(r) for r in (plan if is_rows else _get(plan, "rows"))]
+    if not is_rows:
+        for b in _entry_list(_get(plan, "output_boxings", None)):
+            e = _entry(b)
+            rows.append(
+                PlanRow(
+                    "(output)",
+                    (e.change.split(" -> ")[0],) if e.change else (),
+                    "",
+                    (e,),
+                    None,
+                    None,
+                    0,
+                )
             )
+    kinds = Counter(k for r in rows for b in r.boxings for k in b.kinds)
+    totals = {
+        "bytes_per_device": sum(r.bytes_per_device for r in rows),
+        "collectives": dict(kinds),
+        "placement": None if is_rows else _get(plan, "placement", None),
+    }
+    if not is_rows:
+        given = _get(plan, "totals", None)
+        colls = (
+            _get(given, "collectives", None)
+            if given is not None
+            else _get(plan, "collectives", None)
         )
-    kinds = Counter(b.kind for r in rows for b in r.collectives)
-    totals = {"bytes_per_device": sum(r.bytes_per_device for r in rows), "collectives": dict(kinds)}
-    if totals_in is not None:
-        nbytes = _get(totals_in, "bytes_per_device", None)
-        colls = _get(totals_in, "collectives", None)
-        if nbytes is not None:
-            totals["bytes_per_device"] = float(nbytes)
+        nbytes = (
+            _get(given, "bytes_per_device", None)
+            if given is not None
+            else _get(plan, "total_bytes_per_device", None)
+        )
+        if callable(colls):
+            colls = colls()
         if colls is not None:
             totals["collectives"] = {k: v for k, v in dict(colls).items() if v}
+        if nbytes is not None:
+            totals["bytes_per_device"] = float(nbytes)
     return tuple(rows), totals
 
 
 def _totals_words(rows, totals) -> str:
-    n_box = sum(1 for r in rows if r.boxing)
+    n_box = sum(1 for r in rows if r.boxings)
     colls = totals["collectives"]
     what = ", ".join(f"{k} ×{v}" for k, v in sorted(colls.items())) or "no collectives"
     return (
@@ -196,46 +247,45 @@ def _totals_words(rows, totals) -> str:
 
 
 def plan_text(plan) -> str:
-    """The plan as an aligned text table; rows with a collective are marked ``*``."""
+    """The plan as an aligned text table; rows that run a collective are marked ``*``."""
     rows, totals = normalise_plan(plan)
     head = ("", "#", "primitive", "inputs", "signature", "boxing", "bytes/device")
     table = [head]
     for i, r in enumerate(rows):
-        mark = "*" if r.collectives else ""
-        box = "; ".join(b.words() for b in r.boxing) or "-"
         table.append(
             (
-                mark,
+                "*" if r.has_collective else "",
                 str(i + 1),
                 "  " * r.depth + r.primitive,
-                ", ".join(r.in_sbps),
+                ", ".join(r.inputs),
                 r.signature,
-                box,
-                fmt_bytes(r.bytes_per_device) if r.boxing else "-",
+                "; ".join(b.words() for b in r.boxings) or "-",
+                fmt_bytes(r.bytes_per_device) if r.boxings else "-",
             )
         )
     widths = [max(len(row[c]) for row in table) for c in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    if totals["placement"] is not None:
+        lines.insert(0, f"plan on {totals['placement']}")
     lines.append(f"total: {_totals_words(rows, totals)}")
     return "\n".join(lines)
 
 
+_DASH = '<span style="opacity:0.5">-</span>'
+
+
 def plan_html(plan) -> str:
-    """The plan as an HTML table: rows with a collective tinted and marked, totals at the end."""
+    """The plan as an HTML table: rows that run a collective tinted and marked, totals at the end."""
     rows, totals = normalise_plan(plan)
     cell = f"padding:2px 8px;border-bottom:1px solid {RULE};text-align:left;vertical-align:top"
-    head = "".join(
-        f'<th style="{cell}">{h}</th>'
-        for h in ("#", "primitive", "inputs", "signature", "boxing", "bytes / device")
-    )
+    heads = ("#", "primitive", "inputs", "signature", "boxing", "bytes / device")
+    head = "".join(f'<th style="{cell}">{h}</th>' for h in heads)
     body = []
     for i, r in enumerate(rows):
-        if r.collectives:
-            cls, tint = (
-                "jsbp-row jsbp-boxed",
-                "background:rgba(255,127,14,0.16);box-shadow:inset 3px 0 rgba(255,127,14,0.9)",
-            )
-        elif r.boxing:
+        if r.has_collective:
+            cls = "jsbp-row jsbp-boxed"
+            tint = "background:rgba(255,127,14,0.16);box-shadow:inset 3px 0 rgba(255,127,14,0.9)"
+        elif r.boxings:
             cls, tint = "jsbp-row jsbp-local-boxing", "background:rgba(127,127,127,0.08)"
         else:
             cls, tint = "jsbp-row", ""
@@ -243,26 +293,28 @@ def plan_html(plan) -> str:
         if r.name:
             prim += f'<div style="opacity:0.7;font-size:10px">{esc(r.name)}</div>'
         sig = esc(r.signature)
-        if r.out_sbps is not None:
-            sig += f'<div style="opacity:0.7;font-size:10px">out {esc(", ".join(r.out_sbps))}</div>'
-        box = (
-            "<br>".join(
-                (f"<b>{esc(b.words())}</b>" if b.kind else esc(b.words())) for b in r.boxing
-            )
-            or '<span style="opacity:0.5">-</span>'
+        if r.outputs is not None and "->" not in r.signature:  # explain's signatures include them
+            sig += f'<div style="opacity:0.7;font-size:10px">out {esc(", ".join(r.outputs))}</div>'
+        box = "<br>".join(
+            f"<b>{esc(b.words())}</b>" if b.kinds else esc(b.words()) for b in r.boxings
         )
-        nbytes = (
-            esc(fmt_bytes(r.bytes_per_device)) if r.boxing else '<span style="opacity:0.5">-</span>'
-        )
+        nbytes = esc(fmt_bytes(r.bytes_per_device)) if r.boxings else _DASH
+        n_coll = sum(len(b.kinds) for b in r.boxings)
         body.append(
-            f'<tr class="{cls}" data-collectives="{len(r.collectives)}" style="{tint}">'
+            f'<tr class="{cls}" data-collectives="{n_coll}" style="{tint}">'
             f'<td style="{cell}">{i + 1}</td><td style="{cell}">{prim}</td>'
-            f'<td style="{cell}">{esc(", ".join(r.in_sbps))}</td><td style="{cell}">{sig}</td>'
-            f'<td style="{cell}">{box}</td><td style="{cell}">{nbytes}</td></tr>'
+            f'<td style="{cell};white-space:nowrap">{esc(", ".join(r.inputs))}</td>'
+            f'<td style="{cell};white-space:nowrap">{sig}</td>'
+            f'<td style="{cell}">{box or _DASH}</td><td style="{cell}">{nbytes}</td></tr>'
         )
     table = (
-        f'<table class="jsbp-plan" style="color:inherit;border-collapse:collapse;font-size:11px;margin-top:4px">'
-        f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+        '<table class="jsbp-plan" style="color:inherit;border-collapse:collapse;font-size:11px;'
+        f'margin-top:4px"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
     )
-    foot = f'<div class="jsbp-totals" style="margin-top:4px;font-weight:600">{esc(_totals_words(rows, totals))}</div>'
-    return frame("plan", "plan", "tinted rows run a collective before the equation", table + foot)
+    foot = (
+        f'<div class="jsbp-totals" style="margin-top:4px;font-weight:600">'
+        f"{esc(_totals_words(rows, totals))}</div>"
+    )
+    title = "plan" + (f" on {totals['placement']}" if totals["placement"] is not None else "")
+    sub = "tinted rows run a collective before the equation; bytes are received per device"
+    return frame("plan", title, sub, table + foot)
