@@ -588,25 +588,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _has_launcher() -> bool:
+    return importlib.util.find_spec("jsbp.launch") is not None
+
+
 def _run_two_processes(mode: str, path) -> None:
-    port = _free_port()
+    """Run ``ckpt_mp_worker.py <mode> <path>`` as 2 processes x 4 CPU devices: with
+    ``python -m jsbp.launch`` when it exists, else with a minimal start of our own."""
+    worker = os.path.join(WORKERS, "ckpt_mp_worker.py")
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("JSBP_CHECKPOINT_TEST_PAUSE", None)
+    if _has_launcher():
+        cmds = [[sys.executable, "-m", "jsbp.launch", "--nproc-per-node", "2",
+                 "--devices-per-process", "4", worker, mode, str(path)]]  # fmt: skip
+    else:
+        port = str(_free_port())
+        cmds = [[sys.executable, worker, mode, str(path), str(pid), port] for pid in range(2)]
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                os.path.join(WORKERS, "ckpt_mp_worker.py"),
-                mode,
-                str(path),
-                str(pid),
-                str(port),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for pid in range(2)
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for cmd in cmds
     ]
     outs = []
     try:
@@ -617,10 +617,10 @@ def _run_two_processes(mode: str, path) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for pid, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"CKPT-WORKER-OK {pid}" in out, (
-            f"process {pid}:\n{out[-4000:]}"
-        )
+    out = "\n".join(outs)
+    assert all(p.returncode == 0 for p in procs), out[-6000:]
+    for pid in range(2):
+        assert f"CKPT-WORKER-OK {pid}" in out, out[-6000:]
 
 
 def test_two_process_save_one_process_load(tmp_path):

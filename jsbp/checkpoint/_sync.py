@@ -11,8 +11,9 @@ def is_primary() -> bool:
 
 
 def barrier(name: str) -> None:
-    """Wait until every process got here (no-op in a single process)."""
+    """Wait until every process got here (no-op in a single process): a barrier of JAX's
+    distributed runtime, through ``jsbp.distributed`` (no device computation)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+        from .. import distributed
 
-        multihost_utils.sync_global_devices(f"jsbp.checkpoint:{name}")
+        distributed.barrier(f"jsbp.checkpoint:{name}")

@@ -1,6 +1,8 @@
 """One process of a 2-process checkpoint test (4 simulated CPU devices each, gloo collectives).
 
-    python tests/workers/ckpt_mp_worker.py <save|load> <checkpoint dir> <process id> <port>
+    python -m jsbp.launch --nproc-per-node 2 --devices-per-process 4 \
+        tests/workers/ckpt_mp_worker.py <save|load> <checkpoint dir>
+    python tests/workers/ckpt_mp_worker.py <save|load> <checkpoint dir> <process id> <port>  # x2
 
 ``save``: both processes build the tensors of ``values()`` on placements that span both
 processes (uneven, partial and even layouts) and save them together; each writes its own shards.
@@ -60,14 +62,23 @@ def load_layouts(jsbp, ids):
 
 
 def main() -> None:
-    mode, path, pid, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    mode, path = sys.argv[1], sys.argv[2]
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=NPROC, process_id=pid)
-    assert jax.device_count() == NPROC * LOCAL_DEVICES, jax.devices()
+    if len(sys.argv) > 3:  # our own minimal start: <process id> <coordinator port>
+        pid, port = int(sys.argv[3]), int(sys.argv[4])
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=NPROC, process_id=pid)
+    else:  # started by python -m jsbp.launch --nproc-per-node 2 --devices-per-process 4
+        import jsbp.distributed
+
+        jsbp.distributed.initialize()
+    pid = jax.process_index()
+    assert jax.process_count() == NPROC and jax.device_count() == NPROC * LOCAL_DEVICES, (
+        jax.devices()
+    )
 
     import jsbp
     from jsbp import checkpoint as ck
