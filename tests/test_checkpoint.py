@@ -657,3 +657,11 @@ def test_one_process_save_two_process_load(tmp_path):
     tree["step"] = 7
     path = ck.save(tmp_path / "sp", tree)
     _run_two_processes("load", path)  # the workers check every value and local shape
+
+
+def test_docs_example_runs():
+    """The first code block of docs/checkpoint.md executes as written (it asserts its results)."""
+    with open(os.path.join(REPO, "docs", "checkpoint.md")) as f:
+        block = f.read().split("```python\n", 1)[1].split("```", 1)[0]
+    assert "ck.save(" in block and "ck.load(" in block
+    exec(compile(block, "docs/checkpoint.md", "exec"), {})
