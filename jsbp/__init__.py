@@ -5,6 +5,8 @@ jsbp runs the program on many devices, inserting the cheapest layout conversions
 """
 
 from . import debug as debug
+from . import distributed as distributed
+from . import env as env
 from . import sbp as sbp
 from ._errors import PlacementError as PlacementError
 from ._errors import SbpError as SbpError

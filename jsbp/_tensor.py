@@ -153,9 +153,15 @@ class GlobalTensor:
                 "here. Use x.to_jax() inside traced code."
             )
         lay = self._layout
-        if self._value.is_fully_addressable:
+        if jax.process_count() == 1:
             return lay.decode(np.asarray(self._value))
-        full = self.to_global(sbp=tuple(_sbp.broadcast for _ in lay.nd_sbp))
+        from .distributed._transfer import one_device_per_process, spans_all_processes
+
+        # several processes: collective, decided on global facts so every process takes one path
+        if spans_all_processes(lay.placement.devices.flat):
+            full = self.to_global(sbp=tuple(_sbp.broadcast for _ in lay.nd_sbp))
+        else:  # some process owns no device here: bring the value to one device of every process
+            full = self.to_global(placement=one_device_per_process(lay.placement.type), sbp=_sbp.broadcast)
         shard = full._value.addressable_shards[0]
         return np.asarray(shard.data)[tuple(slice(0, n) for n in lay.shape)]
 
@@ -314,14 +320,27 @@ def _cross_placement(phys, src: Layout, dst: Layout):
             "placements outside the traced function."
         )
     sp, dp = src.placement, dst.placement
+    # several processes: JAX cannot device_put between device sets of different processes, so
+    # blocks travel by collective-permute over the union of both placements (jsbp.distributed)
+    multi = not (phys.is_fully_addressable and dst.sharding.is_fully_addressable)
     if sp.hierarchy == dp.hierarchy:
         # same grid shape: move blocks device-to-device, keeping the layout, then box on dst
         mid = layout_of(dp, src.nd_sbp, src.shape)
+        if multi and set(sp.devices.flat) != set(dp.devices.flat):
+            from .distributed._transfer import send_blocks
+
+            moved = send_blocks(phys, list(sp.devices.flat), mid.sharding, mid.physical_shape)
+            return _box_raw(moved, mid, dst)
         return _box_raw(jax.device_put(phys, mid.sharding), mid, dst)
     # different grid: gather to B on src, copy the replicated value over, slice on dst
     allb = tuple(_sbp.broadcast for _ in range(sp.ndim))
     full = _box_raw(phys, src, layout_of(sp, allb, src.shape))
     dst_b = layout_of(dp, tuple(_sbp.broadcast for _ in range(dp.ndim)), src.shape)
+    if multi:
+        from .distributed._transfer import nearest_sources, send_blocks
+
+        moved = send_blocks(full, nearest_sources(sp, dp), dst_b.sharding, dst_b.physical_shape)
+        return _box_raw(moved, dst_b, dst)
     local = full.addressable_shards[0].data
     moved = jax.make_array_from_callback(
         dst_b.physical_shape, dst_b.sharding, lambda idx: local[idx] if local.ndim else local
@@ -461,7 +480,9 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
         if lay.is_even and not lay.partial_axes:
             return GlobalTensor(jax.device_put(arr, lay.sharding), lay)
         phys = lay.encode(arr)
-        return GlobalTensor(jax.make_array_from_callback(phys.shape, lay.sharding, lambda i: phys[i]), lay)
+        return GlobalTensor(
+            jax.make_array_from_callback(phys.shape, lay.sharding, lambda i: phys[i], dtype=phys.dtype), lay
+        )
     return _from_logical(arr, lay)
 
 
@@ -554,10 +575,13 @@ def from_local(locals_: Sequence, placement: Placement = None, sbp=None) -> Glob
             f"from_local: local arrays on {placement} have different dtypes {sorted(str(d) for d in dtypes)}; "
             "all locals must share one dtype."
         )
-    if len(local_idx) != len(devices):
-        from .distributed import allgather_local_shapes
+    if jax.process_count() > 1:
+        # collective on every process (even one owning no device of the placement, which learns
+        # the shapes and dtype here): the others' local shapes come over JAX's key-value store
+        from .distributed import gather_local_meta
 
-        shapes = allgather_local_shapes(shapes, len(devices))
+        shapes, common = gather_local_meta(shapes, dtypes.pop() if dtypes else None, len(devices))
+        dtypes = {common}
     ranks_ = {len(s) for s in shapes.values()}
     if len(ranks_) != 1:
         raise SbpError(f"from_local: local arrays have different ranks {sorted(ranks_)} on {placement}.")
@@ -600,5 +624,8 @@ def from_local(locals_: Sequence, placement: Placement = None, sbp=None) -> Glob
         if lay.partial_axes:
             a = a[None]
         singles.append(jax.device_put(a, devices[j]))
-    phys = jax.make_array_from_single_device_arrays(lay.physical_shape, lay.sharding, singles)
+    # a process owning none of the devices has no singles to take the dtype from
+    phys = jax.make_array_from_single_device_arrays(
+        lay.physical_shape, lay.sharding, singles, dtype=None if singles else _canonical_dtype(dtype)
+    )
     return GlobalTensor(phys, lay)
