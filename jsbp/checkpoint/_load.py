@@ -97,9 +97,14 @@ class _Plan:
         return out[()] if self.numpy_scalar else out
 
 
+def _where(path: str) -> str:
+    """A tree path for messages (the root of a tree that is a single leaf has the empty path)."""
+    return path or "the root (the tree is a single leaf)"
+
+
 def _mismatch(root, e, shape, dtype) -> CheckpointError:
     return CheckpointError(
-        f"load: the leaf at {e['path']} in checkpoint {root} was saved with "
+        f"load: the leaf at {_where(e['path'])} in checkpoint {root} was saved with "
         f"{_fmt(e['shape'], e['dtype'])}, but the target expects {_fmt(shape, dtype)}. "
         "Make the target match the checkpoint (or cast after loading)."
     )
@@ -107,7 +112,7 @@ def _mismatch(root, e, shape, dtype) -> CheckpointError:
 
 def _plan_for_target(root: str, e: dict, t) -> _Plan:
     """The plan for saved entry ``e`` given one target leaf ``t``."""
-    path = e["path"]
+    path = _where(e["path"])
     if e["kind"] == "scalar":
         if isinstance(t, (bool, int, float)) and type(t).__name__ == e["pytype"]:
             return _Plan(e, "scalar")
@@ -158,7 +163,7 @@ def _plan_as_saved(root: str, e: dict) -> _Plan:
         plc = placement_from_json(e["placement"])
     except ValueError as err:
         raise CheckpointError(
-            f"load: the tensor at {e['path']} in checkpoint {root} was saved on placement "
+            f"load: the tensor at {_where(e['path'])} in checkpoint {root} was saved on placement "
             f"{describe_placement_json(e['placement'])}, which cannot be built here ({err}). Pass a "
             "target (a tree of global tensors / TensorSpecs, or a rule) to choose where it goes."
         ) from None
@@ -179,12 +184,12 @@ def _plan_from_rule(root: str, e: dict, rule: Rule | None) -> _Plan:
         plc, sbp = got
     except (TypeError, ValueError):
         raise CheckpointError(
-            f"load: the rule returned {got!r} for {e['path']} (shape {shape}); a rule returns "
+            f"load: the rule returned {got!r} for {_where(e['path'])} (shape {shape}); a rule returns "
             "(placement, sbp), a TensorSpec, or None."
         ) from None
     if not isinstance(plc, Placement):
         raise CheckpointError(
-            f"load: the rule returned placement {plc!r} for {e['path']}; give a jsbp.placement."
+            f"load: the rule returned placement {plc!r} for {_where(e['path'])}; give a jsbp.placement."
         )
     return _plan_for_target(root, e, TensorSpec(shape, _dtype(e["dtype"]), plc, sbp))
 

@@ -62,8 +62,8 @@ _UNSUPPORTED = (
 
 def _entry(i: int, kp, leaf) -> tuple[dict, object | None]:
     """The manifest entry of one leaf and the array to hand to orbax (or None)."""
-    path = keystr(kp)
-    e = {"path": path, "keys": [_manifest.encode_key(k) for k in kp], "name": f"leaf_{i:05d}"}
+    path = keystr(kp) or "the root (the tree is a single leaf)"
+    e = {"path": keystr(kp), "keys": [_manifest.encode_key(k) for k in kp], "name": f"leaf_{i:05d}"}
     if isinstance(leaf, GlobalTensor):
         if isinstance(leaf.physical, jax.core.Tracer):
             raise CheckpointError(
