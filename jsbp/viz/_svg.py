@@ -146,12 +146,12 @@ def _tile_svg(grid: TileGrid, tile: Tile, x, y, w, h) -> str:
         bold = i == 0 and grid.partial is not None
         wrapped.extend((s, bold) for s in _wrap(line, cw - 8))
     fit = max(1, int((chh - 4) // _LINE))
-    if len(wrapped) > fit:
-        wrapped = (
-            wrapped[: fit - 1] + [("…", False)]
-            if fit > 1
-            else [(wrapped[0][0][: max(1, int((cw - 8) // _CH) - 1)] + "…", wrapped[0][1])]
-        )
+    if len(wrapped) > fit:  # keep what fits and end with an ellipsis
+        if fit > 1:
+            wrapped = wrapped[: fit - 1] + [("…", False)]
+        else:
+            first, bold = wrapped[0]
+            wrapped = [(first[: max(1, int((cw - 8) // _CH) - 1)] + "…", bold)]
     for i, (s, bold) in enumerate(wrapped):
         out.append(_text(fx + 4, fy + 4 + _FS + i * _LINE, s, weight="600" if bold else None))
     out.append("</g>")
