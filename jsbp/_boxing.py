@@ -124,24 +124,48 @@ def _moves_from(state, shape, hierarchy, itemsize):
 
 @functools.lru_cache(maxsize=4096)
 def plan(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int):
-    """The cheapest list of ``Move`` s from nd-sbp ``src`` to ``dst`` (normalised, same placement)."""
+    """The cheapest list of ``Move`` s from nd-sbp ``src`` to ``dst`` (normalised, same placement).
+
+    The search first allows at most one collective per axis whose SBP changes (DESIGN: "an nd
+    conversion needs at most one collective per axis whose SBP changes"); by bytes alone a longer
+    chain can look cheaper (e.g. three all-to-alls for (S(0), S(1)) -> (S(1), S(0)), or a
+    reduce-scatter on an unchanged P axis before an all-reduce). Only when no path fits that
+    budget (an outer split moving under an inner one) is the collective count left free.
+    """
     if src == dst:
         return ()
+    budget = sum(1 for a, b in zip(src, dst) if a != b)
+    path = _search(src, dst, shape, hierarchy, itemsize, budget)
+    if path is None:
+        path = _search(src, dst, shape, hierarchy, itemsize, None)
+    if path is None:  # every pair is connected via B
+        raise AssertionError(f"no boxing path from {src} to {dst}")
+    return path
+
+
+def _search(src, dst, shape, hierarchy, itemsize, max_collectives):
+    """Dijkstra over (nd-sbp, collectives used); None when ``dst`` is out of reach."""
     counter = itertools.count()
-    best = {src: 0.0}
-    heap = [(0.0, next(counter), src, ())]
+    start = (src, 0)
+    best = {start: 0.0}
+    heap = [(0.0, next(counter), start, ())]
     while heap:
-        cost, _, state, path = heapq.heappop(heap)
+        cost, _, key, path = heapq.heappop(heap)
+        state, used = key
         if state == dst:
             return path
-        if cost > best.get(state, math.inf):
+        if cost > best.get(key, math.inf):
             continue
         for nxt, mv in _moves_from(state, shape, hierarchy, itemsize):
+            n_used = used + (1 if mv.collective else 0)
+            if max_collectives is not None and n_used > max_collectives:
+                continue
+            nkey = (nxt, n_used if max_collectives is not None else 0)
             c = cost + mv.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if mv.collective else _LOCAL_COST)
-            if c < best.get(nxt, math.inf) - 1e-9:
-                best[nxt] = c
-                heapq.heappush(heap, (c, next(counter), nxt, path + (mv,)))
-    raise AssertionError(f"no boxing path from {src} to {dst}")  # every pair is connected via B
+            if c < best.get(nkey, math.inf) - 1e-9:
+                best[nkey] = c
+                heapq.heappush(heap, (c, next(counter), nkey, path + (mv,)))
+    return None
 
 
 # -------------------------------------------------------------------------------------------

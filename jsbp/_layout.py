@@ -193,7 +193,7 @@ class Layout:
             sl = self.physical_slices(coord)
             dst = phys[sl]
             if self.partial_axes:
-                dst = dst[0]
+                dst = dst[0, ...]  # a view even for a 0-d tensor (dst[0] would copy a scalar)
             dst[tuple(slice(0, s) for _, s in blk)] = src
         return phys
 

@@ -14,10 +14,16 @@ _OP_RE = re.compile(
 )
 
 
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
+
+
 def collectives_in_hlo(hlo_text: str) -> dict[str, int]:
     """Count collective instructions in optimised HLO text (``-done`` halves are not counted)."""
     counts = dict.fromkeys(COLLECTIVES, 0)
-    for m in _OP_RE.finditer(hlo_text):
+    # tuple shapes carry "/*index=5*/" comments whose "=" would hide the op from _OP_RE
+    # (XLA:CPU writes an all-to-all over 8 devices as a tuple of 8 pieces)
+    text = _COMMENT_RE.sub("", hlo_text)
+    for m in _OP_RE.finditer(text):
         counts[m.group(1)] += 1
     return counts
 
