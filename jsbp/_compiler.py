@@ -122,6 +122,12 @@ class _Inference:
     def __init__(self, placement):
         self.placement = placement
         self.boxed: set = set()  # (var, nd-sbp) pairs already boxed in the current program
+        self.alias: dict = {}  # inlined call: sub-jaxpr invar -> the caller's atom
+
+    def key(self, v):
+        while v in self.alias:
+            v = self.alias[v]
+        return v
 
     def lay(self, nd, aval) -> Layout:
         return layout_of(self.placement, tuple(nd), tuple(aval.shape))
@@ -136,7 +142,14 @@ class _Inference:
         return Boxing(i, src, dst, moves)
 
     # ---------------------------------------------------------------------------------------
-    def program(self, jaxpr, consts, in_layouts, out_nd=None) -> Program:
+    def program(self, jaxpr, consts, in_layouts, out_nd=None, *, inline_of=None) -> Program:
+        """Infer a (sub-)program. ``inline_of``: the caller's operands when the jaxpr is an inlined
+        call — it then shares the caller's boxing cache (same values, same scope)."""
+        if inline_of is not None:
+            for sub_v, outer in zip(jaxpr.invars, inline_of):
+                if not isinstance(outer, jcore.Literal):
+                    self.alias[sub_v] = outer
+            return self._program(jaxpr, consts, in_layouts, out_nd)
         saved, self.boxed = self.boxed, set()
         try:
             return self._program(jaxpr, consts, in_layouts, out_nd)
@@ -208,7 +221,7 @@ class _Inference:
             for lay, nd, v in zip(cur, ins, eqn.invars):
                 if lay.nd_sbp != tuple(nd):
                     exact = False
-                    if not isinstance(v, jcore.Literal) and (v, tuple(nd)) in self.boxed:
+                    if not isinstance(v, jcore.Literal) and (self.key(v), tuple(nd)) in self.boxed:
                         continue  # reuse the earlier conversion
                     c, n = boxing_cost(lay, self.lay(nd, v.aval), _itemsize(v.aval))
                     cost += c
@@ -238,7 +251,7 @@ class _Inference:
             if bx is None:
                 continue
             if not isinstance(v, jcore.Literal):
-                key = (v, w.nd_sbp)
+                key = (self.key(v), w.nd_sbp)
                 bx.reused = key in self.boxed
                 self.boxed.add(key)
             boxings.append(bx)
@@ -263,8 +276,16 @@ def _call_jaxpr(eqn):
 
 def _infer_call(inf: _Inference, eqn, cur):
     jaxpr, consts = _call_jaxpr(eqn)
-    sub = inf.program(jaxpr, consts, cur)
+    sub = inf.program(jaxpr, consts, cur, inline_of=list(eqn.invars))
+    _alias_outputs(inf.alias, eqn.outvars, jaxpr.outvars)
     return Step(eqn, list(cur), sub.out_layouts, [], sub=sub, kind="call")
+
+
+def _alias_outputs(alias, outer_outs, inner_outs):
+    """An inlined call's results are its inner values: same boxing cache keys."""
+    for o, i in zip(outer_outs, inner_outs):
+        if not isinstance(o, jcore.DropVar) and not isinstance(i, jcore.Literal) and o is not i:
+            alias[o] = i
 
 
 def _shift_split(nd, delta):
@@ -389,7 +410,8 @@ def _apply_boxings(vals, boxings, invars=None, cache=None):
     return vals
 
 
-def run_program(prog: Program, local_inputs: list) -> list:
+def run_program(prog: Program, local_inputs: list, cache: dict | None = None, alias: dict | None = None) -> list:
+    """Run ``prog`` on local shards. ``cache``/``alias``: shared with the caller for inlined calls."""
     env: dict = {}
     for v, c in zip(prog.jaxpr.constvars, prog.consts):
         env[v] = jnp.asarray(c)
@@ -401,10 +423,25 @@ def run_program(prog: Program, local_inputs: list) -> list:
             return jnp.asarray(v.val, dtype=v.aval.dtype) if hasattr(v.aval, "dtype") else v.val
         return env[v]
 
-    cache: dict = {}
+    cache = {} if cache is None else cache
+    alias = {} if alias is None else alias
+
+    def key(v):
+        while v in alias:
+            v = alias[v]
+        return v
+
     for st in prog.steps:
-        ins = _apply_boxings([read(v) for v in st.eqn.invars], st.boxings, st.eqn.invars, cache)
-        outs = _EMIT[st.kind](st, ins)
+        keys = [v if isinstance(v, jcore.Literal) else key(v) for v in st.eqn.invars]
+        ins = _apply_boxings([read(v) for v in st.eqn.invars], st.boxings, keys, cache)
+        if st.kind == "call":
+            for sub_v, outer in zip(st.sub.jaxpr.invars, keys):
+                if not isinstance(outer, jcore.Literal):
+                    alias[sub_v] = outer
+            outs = run_program(st.sub, ins, cache, alias)
+            _alias_outputs(alias, st.eqn.outvars, st.sub.jaxpr.outvars)
+        else:
+            outs = _EMIT[st.kind](st, ins)
         for v, o in zip(st.eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o

@@ -153,6 +153,8 @@ class GlobalTensor:
                 "here. Use x.to_jax() inside traced code."
             )
         lay = self._layout
+        if math.prod(lay.shape) == 0:  # nothing to read (and see _empty: the shards may be odd)
+            return np.zeros(lay.shape, self.dtype)
         if jax.process_count() == 1:
             return lay.decode(np.asarray(self._value))
         from .distributed._transfer import one_device_per_process, spans_all_processes
@@ -303,9 +305,21 @@ def _same_placement_boxer(src: Layout, dst: Layout, dtype):
     return jax.jit(fn), moves
 
 
+def _empty(lay: Layout, dtype):
+    """The physical array of a zero-size tensor, built on the host.
+
+    ``jax.jit`` outputs of zero-size arrays can carry shards of the *global* shape (8x0x4 on every
+    device instead of 2x0x4), which ``device_put`` and ``np.asarray`` then reject; a host array put
+    with the layout's sharding has the right shards. There is no data to move anyway.
+    """
+    return jax.device_put(np.zeros(lay.physical_shape, dtype), lay.sharding)
+
+
 def _box_raw(phys, src: Layout, dst: Layout):
     if src == dst:
         return phys
+    if math.prod(src.shape) == 0 and not isinstance(phys, jax.core.Tracer):
+        return _empty(dst, phys.dtype)
     if src.placement == dst.placement:
         fn, _ = _same_placement_boxer(src, dst, np.dtype(phys.dtype))
         return fn(phys)
@@ -378,6 +392,9 @@ def to_global(x, placement=None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
 
     if not isinstance(x, GlobalTensor) and current_tracer() is not None:
         return current_tracer().annotate(x, placement, sbp, grad_sbp)
+    if not isinstance(x, GlobalTensor) and placement is None and sbp is not None and hasattr(x, "shape"):
+        # a layout annotation in code that also runs on one device (no jsbp.jit): nothing to do
+        return x
     if not isinstance(x, GlobalTensor):
         if placement is None or sbp is None:
             _check_global(x, "to_global")
@@ -499,6 +516,8 @@ def full(shape, value, placement=None, sbp=None, *, dtype=None) -> GlobalTensor:
     shape = _shape_args((shape,) if isinstance(shape, (int, np.integer)) else tuple(shape), "full")
     lay = _layout_for(shape, placement, sbp, "full")
     dt = _canonical_dtype(dtype if dtype is not None else np.result_type(type(value)) if not isinstance(value, float) else np.float32)
+    if math.prod(shape) == 0:
+        return GlobalTensor(_empty(lay, dt), lay)
     return GlobalTensor(_filled(lay, dt, value.item() if hasattr(value, "item") else value)(), lay)
 
 
@@ -534,6 +553,8 @@ def _random_tensor(kind, shape, key, placement, sbp, dtype, op):
         key = _next_key()
     elif isinstance(key, (int, np.integer)):
         key = jax.random.key(int(key))
+    if math.prod(shape) == 0:
+        return GlobalTensor(_empty(lay, _canonical_dtype(dtype)), lay)
     return GlobalTensor(_random(lay, kind, _canonical_dtype(dtype))(key), lay)
 
 

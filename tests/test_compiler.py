@@ -1,0 +1,411 @@
+"""The SBP compiler: jsbp.jit parity with one device, plans that match the compiled program,
+control flow, autodiff and errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsbp
+from jsbp import sbp
+
+P4 = jsbp.placement("cpu", [0, 1, 2, 3])
+Q22 = jsbp.placement("cpu", [[0, 1], [2, 3]], axis_names=("dp", "tp"))
+R24 = jsbp.placement("cpu", [[0, 1, 2, 3], [4, 5, 6, 7]], axis_names=("dp", "tp"))
+RNG = np.random.default_rng(0)
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def gt(value, plc, nd):
+    return jsbp.tensor(value, plc, nd)
+
+
+def assert_tree_close(out, ref, rtol=1e-5, atol=1e-5):
+    outs = jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor))
+    refs = jax.tree_util.tree_leaves(ref)
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        assert isinstance(o, jsbp.GlobalTensor)
+        np.testing.assert_allclose(o.numpy(), np.asarray(r), rtol=rtol, atol=atol)
+
+
+def assert_plan_matches_program(fn, *args):
+    plan = jsbp.explain(fn, *args).collectives()
+    compiled = jsbp.debug.count_collectives(jsbp.jit(fn), *args)
+    assert plan == compiled, (plan, compiled)
+    return compiled
+
+
+# -- matmul signature table -------------------------------------------------------------------
+MATMUL_TABLE = [
+    (("S(0)", "B"), "S(0)"),
+    (("B", "S(1)"), "S(1)"),
+    (("S(1)", "S(0)"), "P"),
+    (("P", "B"), "P"),
+    (("B", "P"), "P"),
+    (("B", "B"), "B"),
+]
+
+
+@pytest.mark.parametrize("ins,out", MATMUL_TABLE)
+@pytest.mark.parametrize("shape", [(8, 12, 4), (7, 13, 5)], ids=["even", "uneven"])
+def test_matmul_signature_table(ins, out, shape):
+    m, k, n = shape
+    xv, wv = rand(m, k), rand(k, n)
+    x, w = gt(xv, P4, ins[0]), gt(wv, P4, ins[1])
+    f = jsbp.jit(lambda a, b: a @ b)
+    y = f(x, w)
+    assert y.sbp == sbp.parse_nd(out)
+    np.testing.assert_allclose(y.numpy(), xv @ wv, rtol=1e-5, atol=1e-5)
+    assert sum(jsbp.debug.count_collectives(f, x, w).values()) == 0
+
+
+def test_batched_matmul_splits_batch_dims_together():
+    av, bv = rand(6, 5, 3), rand(6, 3, 4)
+    f = jsbp.jit(lambda a, b: jnp.einsum("bij,bjk->bik", a, b))
+    y = f(gt(av, P4, "S(0)"), gt(bv, P4, "S(0)"))
+    assert y.sbp == (sbp.split(0),)
+    np.testing.assert_allclose(y.numpy(), av @ bv, rtol=1e-5, atol=1e-5)
+
+
+# -- OneFlow's examples ---------------------------------------------------------------------------
+def test_reduce_sum_over_split_dim_is_partial():
+    xv = rand(10, 6)
+    y = jsbp.jit(lambda x: jnp.sum(x, axis=0))(gt(xv, P4, "S(0)"))
+    assert y.sbp == (sbp.partial_sum,)
+    np.testing.assert_allclose(y.numpy(), xv.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_uneven_mean_is_exact():
+    # DTensor's bug: mean of arange(12).reshape(3, 4) split S(0) over 2 devices must be 5.5
+    a = jsbp.tensor(np.arange(12, dtype=np.float32).reshape(3, 4), jsbp.placement("cpu", [0, 1]), "S(0)")
+    assert float(jsbp.jit(jnp.mean)(a).numpy()) == 5.5
+    assert float(a.mean().numpy()) == 5.5
+
+
+@pytest.mark.parametrize("fn", [jnp.sum, jnp.max, jnp.min, jnp.mean, lambda x: jnp.linalg.norm(x),
+                                lambda x: jnp.argmax(x, axis=0), lambda x: jax.nn.softmax(x, axis=0),
+                                lambda x: jnp.var(x, axis=0)],
+                         ids=["sum", "max", "min", "mean", "norm", "argmax", "softmax", "var"])
+@pytest.mark.parametrize("nd,plc", [("S(0)", P4), (("S(0)", "S(0)"), Q22), (("S(0)", "S(1)"), R24)])
+def test_uneven_reductions_never_see_padding(fn, nd, plc):
+    xv = rand(7, 5) - 3.0  # negative values: a zero from padding would win a max
+    out = jsbp.jit(fn)(gt(xv, plc, nd))
+    np.testing.assert_allclose(out.numpy(), np.asarray(fn(jnp.asarray(xv))), rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_over_split_dim_boxes_and_keeps_other_split():
+    xv = rand(8, 12)
+    x = gt(xv, P4, "S(1)")
+    c = assert_plan_matches_program(lambda x: jax.nn.softmax(x, axis=-1), x)
+    assert sum(c.values()) >= 1
+    x0 = gt(xv, P4, "S(0)")
+    c0 = assert_plan_matches_program(lambda x: jax.nn.softmax(x, axis=-1), x0)
+    assert sum(c0.values()) == 0
+    y = jsbp.jit(lambda x: jax.nn.softmax(x, axis=-1))(x0)
+    assert y.sbp == (sbp.split(0),)
+
+
+def test_layer_norm_keeps_split():
+    xv = rand(8, 16)
+
+    def ln(x):
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+    x = gt(xv, P4, "S(0)")
+    y = jsbp.jit(ln)(x)
+    assert y.sbp == (sbp.split(0),)
+    np.testing.assert_allclose(y.numpy(), np.asarray(ln(jnp.asarray(xv))), rtol=1e-4, atol=1e-5)
+    assert sum(assert_plan_matches_program(ln, x).values()) == 0
+
+
+def test_vocab_parallel_embedding_gives_partial():
+    table, idx = rand(10, 4), np.array([0, 9, 3, 3, 7, 1])
+    f = lambda t, i: jnp.take(t, i, axis=0)
+    out = jsbp.jit(f)(gt(table, P4, "S(0)"), gt(idx, P4, "B"))
+    assert out.sbp == (sbp.partial_sum,)
+    np.testing.assert_array_equal(out.numpy(), table[idx])
+    g = lambda t, i: jax.grad(lambda t: jnp.sum(jnp.take(t, i, axis=0) ** 2))(t)
+    gv = jsbp.jit(g)(gt(table, P4, "S(0)"), gt(idx, P4, "B"))
+    np.testing.assert_allclose(gv.numpy(), np.asarray(g(jnp.asarray(table), idx)), rtol=1e-5)
+
+
+# -- models ------------------------------------------------------------------------------------------
+def mlp_loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+MLP_LAYOUTS = {
+    "dp": (P4, {"w1": "B", "b1": "B", "w2": "B"}, "S(0)"),
+    "tp": (P4, {"w1": "S(1)", "b1": "S(0)", "w2": "S(0)"}, "B"),
+    "hybrid": (R24, {"w1": ("B", "S(1)"), "b1": ("B", "S(0)"), "w2": ("B", "S(0)")}, ("S(0)", "B")),
+}
+
+
+@pytest.mark.parametrize("name", list(MLP_LAYOUTS))
+def test_mlp_loss_and_grads_match_single_device(name):
+    plc, playout, dlayout = MLP_LAYOUTS[name]
+    params = {"w1": rand(6, 16), "b1": rand(16), "w2": rand(16, 3)}
+    xv, yv = rand(8, 6), rand(8, 3)
+    ref = jax.value_and_grad(mlp_loss)(params, xv, yv)
+    gparams = {k: gt(v, plc, playout[k]) for k, v in params.items()}
+    args = (gparams, gt(xv, plc, dlayout), gt(yv, plc, dlayout))
+    step = jax.value_and_grad(mlp_loss)
+    out = jsbp.jit(step)(*args)
+    assert_tree_close(out, ref)
+    c = assert_plan_matches_program(step, *args)
+    if name == "tp":  # column then row parallel: no communication between the pair in forward
+        assert c["all-gather"] == 0
+
+
+def test_tp_mlp_forward_needs_one_reduction():
+    params = {"w1": rand(6, 16), "b1": rand(16), "w2": rand(16, 3)}
+    plc, playout, _ = MLP_LAYOUTS["tp"]
+    gparams = {k: gt(v, plc, playout[k]) for k, v in params.items()}
+    fwd = lambda p, x: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+    x = gt(rand(8, 6), plc, "B")
+    y = jsbp.jit(fwd, out_sbp="B")(gparams, x)
+    c = jsbp.debug.count_collectives(jsbp.jit(fwd, out_sbp="B"), gparams, x)
+    assert c == {"all-gather": 0, "all-reduce": 1, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 0}
+    np.testing.assert_allclose(y.numpy(), np.asarray(fwd(params, x.numpy())), rtol=1e-5, atol=1e-5)
+
+
+def _transformer():
+    flax = pytest.importorskip("flax")
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, d, h, rngs):
+            self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(num_heads=h, in_features=d, decode=False, rngs=rngs)
+            self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+            self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+            self.down = nnx.Linear(4 * d, d, rngs=rngs)
+
+        def __call__(self, x):
+            t = x.shape[1]
+            mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+            x = x + self.attn(self.ln1(x), mask=mask)
+            return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+
+    class Tiny(nnx.Module):
+        def __init__(self, vocab=16, d=16, h=4, rngs=None):
+            self.embed = nnx.Embed(vocab, d, rngs=rngs)
+            self.block = Block(d, h, rngs)
+            self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+        def __call__(self, tok):
+            return self.head(self.block(self.embed(tok)))
+
+    del flax
+    return nnx, Tiny(rngs=nnx.Rngs(0))
+
+
+def _tp_layout(path: str, ndim: int):
+    """Megatron layout for the tiny transformer on a 1-d tp axis."""
+    if "embed" in path:
+        return "S(1)"
+    if any(k in path for k in ("query", "key", "value")) and "kernel" in path:
+        return "S(1)"  # (d, heads, head_dim): heads split = column parallel
+    if any(k in path for k in ("query", "key", "value")) and "bias" in path:
+        return "S(0)"
+    if "out" in path and "kernel" in path:
+        return "S(0)"  # (heads, head_dim, d): row parallel
+    if "up" in path and "kernel" in path:
+        return "S(1)"
+    if "up" in path and "bias" in path:
+        return "S(0)"
+    if "down" in path and "kernel" in path:
+        return "S(0)"
+    return "B"
+
+
+@pytest.mark.parametrize("strategy", ["dp", "tp", "hybrid"])
+def test_nnx_transformer_train_step_matches_single_device(strategy):
+    optax = pytest.importorskip("optax")
+    nnx, model = _transformer()
+    graphdef, state = nnx.split(model, nnx.Param)
+    params = jax.tree_util.tree_map(lambda v: np.asarray(v), state.to_pure_dict())
+    tok = RNG.integers(0, 16, size=(4, 8)).astype(np.int32)
+    # The key bias has an exactly-zero gradient (softmax is shift invariant): both runs see ~1e-9
+    # rounding noise there, which adamw's g / (|g| + eps) would blow up to a full step with the
+    # default eps=1e-8. eps=1e-4 keeps the comparison about jsbp, not about amplified noise.
+    tx = optax.adamw(1e-2, eps=1e-4)
+    opt_state = tx.init(params)
+
+    def merge(p):
+        st = nnx.State(state)
+        nnx.replace_by_pure_dict(st, p)
+        return st
+
+    def loss_pure(p, tok):
+        m = nnx.merge(graphdef, merge(p))
+        logits = m(tok[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tok[:, 1:]).mean()
+
+    def train_step(p, o, tok):
+        loss, g = jax.value_and_grad(loss_pure)(p, tok)
+        upd, o = tx.update(g, o, p)
+        return loss, optax.apply_updates(p, upd), o
+
+    ref_loss, ref_p, _ = train_step(params, opt_state, tok)
+
+    paths = {}
+    for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        paths[kp] = jax.tree_util.keystr(kp)
+    if strategy == "dp":
+        plc, lay, dlay = P4, lambda path, v: "B", "S(0)"
+    elif strategy == "tp":
+        plc, lay, dlay = P4, lambda path, v: _tp_layout(path, v.ndim), "B"
+    else:
+        plc, dlay = Q22, ("S(0)", "B")
+        lay = lambda path, v: ("B", _tp_layout(path, v.ndim))
+    gp = jax.tree_util.tree_map_with_path(lambda kp, v: gt(v, plc, lay(paths[kp], v)), params)
+    gopt = jax.tree_util.tree_map(lambda v: gt(np.asarray(v), plc, ("B",) * plc.ndim), opt_state)
+    gtok = gt(tok, plc, dlay)
+    loss, new_p, _ = jsbp.jit(train_step)(gp, gopt, gtok)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    assert_tree_close(new_p, ref_p, rtol=1e-4, atol=1e-5)
+    assert_plan_matches_program(train_step, gp, gopt, gtok)
+
+
+# -- control flow ---------------------------------------------------------------------------------------
+CONTROL = {
+    "scan": (lambda x, w: jax.lax.scan(lambda c, xi: (jnp.tanh(c @ w + xi), c.sum()), jnp.zeros(6), x), ("B", "S(1)")),
+    "scan_xs_split": (lambda x, w: jax.lax.scan(lambda c, xi: (c + xi @ w, None), jnp.zeros((5, 6)), x.reshape(2, 5, 6))[0], ("S(1)", "B")),
+    "fori": (lambda x, w: jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w), x), ("S(0)", "B")),
+    "while": (lambda x, w: jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 0.5 + x, c[1] + 1), (x, 0))[0], ("S(0)", "B")),
+    "cond": (lambda x, w: jax.lax.cond(x.sum() > 0, lambda: x @ w, lambda: x * 2.0), ("S(0)", "B")),
+    "switch": (lambda x, w: jax.lax.switch(jnp.argmax(x.sum(1)) % 3, [lambda: x, lambda: x @ w, lambda: -x]), ("S(0)", "B")),
+    "remat": (lambda x, w: jax.grad(lambda w: jax.checkpoint(lambda w: jnp.sum(jnp.sin(x @ w)))(w))(w), ("S(0)", "B")),
+    "custom_jvp": (lambda x, w: jax.nn.relu(x @ w) + jax.nn.gelu(x), ("S(0)", "B")),
+    "custom_vjp": (lambda x, w: jax.grad(lambda x: jnp.sum(jax.nn.logsumexp(x, axis=1)))(x), ("S(0)", "B")),
+    "nested_jit": (lambda x, w: jax.jit(lambda a: a @ w)(x) + 1.0, ("S(0)", "B")),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTROL))
+def test_control_flow_and_calls(name):
+    fn, lays = CONTROL[name]
+    xv, wv = rand(10, 6), rand(6, 6)
+    args = (gt(xv, P4, lays[0]), gt(wv, P4, lays[1]))
+    assert_tree_close(jsbp.jit(fn)(*args), fn(xv, wv), rtol=1e-4, atol=1e-5)
+    assert_plan_matches_program(fn, *args)
+
+
+# -- annotations, out_sbp, static args, autodiff of jsbp.jit ---------------------------------------------
+def test_to_global_inside_jit_is_honoured():
+    xv = rand(8, 8)
+    f = lambda x: jsbp.to_global(x * 2.0, sbp="S(1)") + 1.0
+    y = jsbp.jit(f)(gt(xv, P4, "S(0)"))
+    assert y.sbp == (sbp.split(1),)
+    np.testing.assert_allclose(y.numpy(), xv * 2 + 1)
+    c = jsbp.debug.count_collectives(jsbp.jit(f), gt(xv, P4, "S(0)"))
+    assert c["all-to-all"] == 1 and sum(c.values()) == 1
+
+
+def test_grad_sbp_inside_jit_sets_backward_layout():
+    # Megatron "f": identity forward on B, all-reduce of the gradient in backward
+    xv, wv = rand(8, 6), rand(6, 4)
+
+    def loss(x, w):
+        xb = jsbp.to_global(x, sbp="B", grad_sbp="B")
+        return jnp.sum(jnp.tanh(xb @ w))
+
+    g = jsbp.jit(jax.grad(loss))(gt(xv, P4, "B"), gt(wv, P4, "S(1)"))
+    np.testing.assert_allclose(g.numpy(), np.asarray(jax.grad(loss)(xv, wv)), rtol=1e-5, atol=1e-5)
+    assert g.sbp == (sbp.broadcast,)
+
+
+def test_out_sbp_forces_layout():
+    xv = rand(8, 6)
+    y = jsbp.jit(lambda x: x.sum(0), out_sbp="B")(gt(xv, P4, "S(0)"))
+    assert y.sbp == (sbp.broadcast,)
+    np.testing.assert_allclose(y.numpy(), xv.sum(0), rtol=1e-5)
+    a, b = jsbp.jit(lambda x: (x, x.sum(0)), out_sbp=["S(1)", None])(gt(xv, P4, "S(0)"))
+    assert a.sbp == (sbp.split(1),) and b.sbp == (sbp.partial_sum,)
+
+
+def test_static_argnums_and_plain_inputs():
+    xv = rand(8, 6)
+    f = jsbp.jit(lambda x, n, c: x * n + c, static_argnums=1)
+    y = f(gt(xv, P4, "S(0)"), 3, np.float32(2.0))
+    np.testing.assert_allclose(y.numpy(), xv * 3 + 2, rtol=1e-6, atol=1e-6)
+    assert y.sbp == (sbp.split(0),)
+
+
+def test_jax_grad_of_a_jsbp_jit_function():
+    xv, wv = rand(8, 6), rand(6, 4)
+    inner = jsbp.jit(lambda x, w: jnp.sum(jnp.sin(x @ w)))
+    for lx, lw in [("S(0)", "B"), ("B", "S(1)"), ("S(1)", "S(0)"), ("P", "B")]:
+        x, w = gt(xv, P4, lx), gt(wv, P4, lw)
+        gx, gw = jax.grad(lambda x, w: inner(x, w).to_jax(), argnums=(0, 1))(x, w)
+        rx, rw = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), argnums=(0, 1))(xv, wv)
+        assert gx.sbp == x.sbp and gw.sbp == w.sbp
+        np.testing.assert_allclose(gx.numpy(), rx, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(gw.numpy(), rw, rtol=1e-5, atol=1e-5)
+
+
+def test_traced_once_per_signature():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x + 1
+
+    jf = jsbp.jit(f)
+    for _ in range(3):
+        jf(gt(rand(8, 4), P4, "S(0)"))
+    jf(gt(rand(8, 4), P4, "B"))
+    assert len(calls) == 2
+
+
+# -- eager ops -----------------------------------------------------------------------------------------------
+def test_eager_operators_and_methods():
+    xv, yv = rand(8, 6), rand(8, 6)
+    x, y = gt(xv, P4, "S(0)"), gt(yv, P4, "S(0)")
+    np.testing.assert_allclose((x + y).numpy(), xv + yv)
+    np.testing.assert_allclose((x * 2 - y / 3).numpy(), xv * 2 - yv / 3, rtol=1e-6)
+    np.testing.assert_allclose((-x).numpy(), -xv)
+    np.testing.assert_array_equal((x > y).numpy(), xv > yv)
+    np.testing.assert_allclose((x @ y.T).numpy(), xv @ yv.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(x[1:3].numpy(), xv[1:3])
+    np.testing.assert_allclose(x[:, 2].numpy(), xv[:, 2])
+    np.testing.assert_allclose(x.sum(0).numpy(), xv.sum(0), rtol=1e-5, atol=1e-6)
+    assert x.sum(0).sbp == (sbp.partial_sum,)
+    np.testing.assert_allclose(x.mean().numpy(), xv.mean(), rtol=1e-5)
+    np.testing.assert_allclose(x.max(1).numpy(), xv.max(1))
+    np.testing.assert_allclose(x.reshape(4, 12).numpy(), xv.reshape(4, 12))
+    np.testing.assert_allclose(x.transpose(1, 0).numpy(), xv.T)
+    assert x.astype(jnp.int32).dtype == jnp.int32
+    np.testing.assert_allclose(jsbp.numpy.exp(x).numpy(), np.exp(xv), rtol=1e-6)
+    np.testing.assert_allclose(jsbp.numpy.where(x > 0, x, y).numpy(), np.where(xv > 0, xv, yv))
+    assert (x + y).sbp == (sbp.split(0),)
+
+
+def test_two_placements_in_one_op_is_an_error_naming_both():
+    x = gt(rand(8, 4), P4, "S(0)")
+    z = gt(rand(8, 4), jsbp.placement("cpu", [4, 5, 6, 7]), "S(0)")
+    with pytest.raises(jsbp.PlacementError, match=r"two placements.*\[0, 1, 2, 3\].*\[4, 5, 6, 7\]"):
+        _ = x + z
+
+
+def test_missing_rule_names_the_primitive():
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    weird = Primitive("jsbp_test_weird")
+    weird.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(weird, lambda ctx, x: [x])
+    with pytest.raises(jsbp.SbpError, match=r"jsbp_test_weird.*register_sbp_rule"):
+        jsbp.jit(lambda x: weird.bind(x))(gt(rand(4, 4), P4, "S(0)"))
+
+
+def test_jit_needs_a_global_tensor():
+    with pytest.raises(jsbp.SbpError, match="at least one GlobalTensor"):
+        jsbp.jit(lambda x: x + 1)(np.ones(3))
