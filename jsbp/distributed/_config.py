@@ -28,7 +28,13 @@ __all__ = ["Config", "LAUNCH_VARS", "from_environ"]
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 """The variables ``python -m jsbp.launch`` (and ``torchrun``) set for every process."""
 
-_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+_SLURM_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
 _OMPI_URI = "OMPI_MCA_orte_hnp_uri"
 
 
@@ -57,7 +63,9 @@ def _show(env: Mapping[str, str], names=LAUNCH_VARS) -> str:
     return ", ".join(f"{n}={env[n]!r}" if n in env else f"{n} unset" for n in names)
 
 
-def _int(env: Mapping[str, str], name: str, *, lo: int, hi: int | None = None, what: str) -> int | None:
+def _int(
+    env: Mapping[str, str], name: str, *, lo: int, hi: int | None = None, what: str
+) -> int | None:
     raw = env.get(name)
     if raw is None:
         return None
@@ -80,7 +88,9 @@ def _int(env: Mapping[str, str], name: str, *, lo: int, hi: int | None = None, w
 def _host(addr: str, env: Mapping[str, str]) -> str:
     addr = addr.strip()
     if not addr:
-        raise DistributedError(f"jsbp.distributed: MASTER_ADDR is empty. (launcher variables: {_show(env)})")
+        raise DistributedError(
+            f"jsbp.distributed: MASTER_ADDR is empty. (launcher variables: {_show(env)})"
+        )
     if addr.startswith("["):  # bracketed IPv6, e.g. [::1]
         if not addr.endswith("]"):
             raise DistributedError(
@@ -100,7 +110,9 @@ def _from_launch_vars(env: Mapping[str, str]) -> Config:
     world = _int(env, "WORLD_SIZE", lo=1, what="the total number of processes")
     rank = _int(env, "RANK", lo=0, what="this process's global index")
     local_rank = _int(env, "LOCAL_RANK", lo=0, what="this process's index on its machine")
-    local_world = _int(env, "LOCAL_WORLD_SIZE", lo=1, what="the number of processes on this machine")
+    local_world = _int(
+        env, "LOCAL_WORLD_SIZE", lo=1, what="the number of processes on this machine"
+    )
     port = _int(env, "MASTER_PORT", lo=1, hi=65535, what="the TCP port of the rank-0 coordinator")
     missing = [n for n, v in (("WORLD_SIZE", world), ("RANK", rank)) if v is None]
     if missing:
@@ -197,5 +209,8 @@ def from_environ(env: Mapping[str, str]) -> Config:
 def devices_per_process(env: Mapping[str, str]) -> int | None:
     """``JSBP_DEVICES_PER_PROCESS``: the number of simulated CPU devices each process gets."""
     return _int(
-        env, "JSBP_DEVICES_PER_PROCESS", lo=1, what="the number of simulated CPU devices per process"
+        env,
+        "JSBP_DEVICES_PER_PROCESS",
+        lo=1,
+        what="the number of simulated CPU devices per process",
     )

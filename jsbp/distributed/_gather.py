@@ -109,12 +109,16 @@ def gather_local_meta(
         )
     if len(dtypes) > 1:
         by = "; ".join(f"{np.dtype(d).name} on process(es) {ps}" for d, ps in dtypes.items())
-        raise SbpError(f"{what}: processes gave local arrays of different dtypes ({by}); use one dtype.")
+        raise SbpError(
+            f"{what}: processes gave local arrays of different dtypes ({by}); use one dtype."
+        )
     common = np.dtype(next(iter(dtypes))) if dtypes else None
     return out, common
 
 
-def allgather_local_shapes(shapes: dict[int, tuple[int, ...]], n_devices: int) -> dict[int, tuple[int, ...]]:
+def allgather_local_shapes(
+    shapes: dict[int, tuple[int, ...]], n_devices: int
+) -> dict[int, tuple[int, ...]]:
     """Every device's local shape, from each process's ``{flat device index: shape}``.
 
     Keys are flat device indices in placement order. Collective: every process calls it, in the

@@ -7,7 +7,9 @@ run needs (gloo collectives and the number of simulated devices) before JAX crea
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 
 import jax
 
@@ -21,7 +23,7 @@ DEFAULT_TIMEOUT_S = 300
 
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 
-_state: dict = {"config": None, "barriers": 0}
+_state: dict = {"config": None, "barriers": 0, "failed": None, "exit_hook": False}
 
 
 def _backends_started() -> bool:
@@ -77,7 +79,9 @@ def _set_cpu_devices(k: int) -> None:
     jax.config.update("jax_num_cpu_devices", k)
 
 
-def initialize(*, devices_per_process: int | None = None, timeout_s: int | None = None) -> _config.Config:
+def initialize(
+    *, devices_per_process: int | None = None, timeout_s: int | None = None
+) -> _config.Config:
     """Join the multi-process run this process was started in; a no-op for a single process.
 
     Call it once, at the top of the script, before any JAX computation (JAX cannot add processes
@@ -103,7 +107,11 @@ def initialize(*, devices_per_process: int | None = None, timeout_s: int | None 
     if _state["config"] is not None:
         return _state["config"]
     cfg = _config.from_environ(os.environ)
-    k = devices_per_process if devices_per_process is not None else _config.devices_per_process(os.environ)
+    k = (
+        devices_per_process
+        if devices_per_process is not None
+        else _config.devices_per_process(os.environ)
+    )
     if k is not None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise DistributedError(
@@ -114,7 +122,9 @@ def initialize(*, devices_per_process: int | None = None, timeout_s: int | None 
     if jax.distributed.is_initialized():
         # the user (or a framework) started JAX's runtime already: adopt it
         st = _jax_distributed_state()
-        cfg = _config.Config("jax", st.process_id, st.num_processes, cfg.local_rank, cfg.local_world_size)
+        cfg = _config.Config(
+            "jax", st.process_id, st.num_processes, cfg.local_rank, cfg.local_world_size
+        )
         _state["config"] = cfg
         return cfg
     if not cfg.multi_process:
@@ -137,7 +147,12 @@ def initialize(*, devices_per_process: int | None = None, timeout_s: int | None 
             and k is None
             and not any(
                 v in os.environ
-                for v in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "JAX_LOCAL_DEVICE_IDS")
+                for v in (
+                    "CUDA_VISIBLE_DEVICES",
+                    "ROCR_VISIBLE_DEVICES",
+                    "HIP_VISIBLE_DEVICES",
+                    "JAX_LOCAL_DEVICE_IDS",
+                )
             )
         ):
             local_ids = [cfg.local_rank]  # one accelerator per process; ignored by the CPU backend
@@ -156,9 +171,44 @@ def initialize(*, devices_per_process: int | None = None, timeout_s: int | None 
         method = cfg.source if cfg.source in ("ompi", "slurm") else None
         jax.distributed.initialize(cluster_detection_method=method, initialization_timeout=timeout)
         st = _jax_distributed_state()
-        cfg = _config.Config(cfg.source, st.process_id, st.num_processes, cfg.local_rank, cfg.local_world_size)
+        cfg = _config.Config(
+            cfg.source, st.process_id, st.num_processes, cfg.local_rank, cfg.local_world_size
+        )
+    _install_failure_exit()
     _state["config"] = cfg
     return cfg
+
+
+def _exit_now_if_failed() -> None:
+    code = _state["failed"]
+    if code:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _install_failure_exit() -> None:
+    """Make a process that dies of an uncaught exception exit at once.
+
+    At exit JAX waits (up to 300 s) in a shutdown barrier for every other process. When this
+    process fails while the others wait for it in a collective, that is a deadlock until the
+    timeout, and a launcher never learns of the failure. So after an uncaught exception (noted by
+    ``sys.excepthook``, which still prints the traceback) an ``atexit`` handler, which runs before
+    JAX's, leaves with ``os._exit(1)``. A normal exit still passes the shutdown barrier.
+    """
+    if _state["exit_hook"]:
+        return
+    _state["exit_hook"] = True
+    previous = sys.excepthook
+
+    def hook(tp, value, tb):
+        _state["failed"] = 130 if issubclass(tp, KeyboardInterrupt) else 1
+        previous(tp, value, tb)
+
+    sys.excepthook = hook
+    atexit.register(_exit_now_if_failed)  # atexit is LIFO: runs before JAX's clean-up
 
 
 def shutdown() -> None:

@@ -28,7 +28,9 @@ def _device_map(type_: str) -> dict[int, jax.Device]:
 
 
 @functools.lru_cache(maxsize=256)
-def _permute_fn(union_ids: tuple[int, ...], type_: str, rounds: tuple[tuple[tuple[int, int], ...], ...]):
+def _permute_fn(
+    union_ids: tuple[int, ...], type_: str, rounds: tuple[tuple[tuple[int, int], ...], ...]
+):
     devs = _device_map(type_)
     mesh = Mesh(np.array([devs[i] for i in union_ids]), (_AXIS,))
 
@@ -62,7 +64,9 @@ def _rounds(pairs: list[tuple[int, int]]) -> tuple[tuple[tuple[int, int], ...], 
     return tuple(tuple(r) for r in rounds)
 
 
-def send_blocks(arr: jax.Array, sources: list, sharding: NamedSharding, shape: tuple[int, ...]) -> jax.Array:
+def send_blocks(
+    arr: jax.Array, sources: list, sharding: NamedSharding, shape: tuple[int, ...]
+) -> jax.Array:
     """A new array of global ``shape`` on ``sharding`` whose block on the i-th device of the
     sharding's mesh (row-major) is ``arr``'s block on device ``sources[i]``.
 
@@ -72,7 +76,11 @@ def send_blocks(arr: jax.Array, sources: list, sharding: NamedSharding, shape: t
     dst = list(sharding.mesh.devices.reshape(-1))
     dtype = arr.dtype
     block = sharding.shard_shape(shape)
-    src_devs = list(arr.sharding.mesh.devices.reshape(-1)) if hasattr(arr.sharding, "mesh") else list(arr.sharding.device_set)
+    src_devs = (
+        list(arr.sharding.mesh.devices.reshape(-1))
+        if hasattr(arr.sharding, "mesh")
+        else list(arr.sharding.device_set)
+    )
     union = list(dict.fromkeys(src_devs + dst))
     pos = {d: i for i, d in enumerate(union)}
     pairs = [(pos[s], pos[d]) for s, d in zip(sources, dst) if s != d]
@@ -88,7 +96,9 @@ def send_blocks(arr: jax.Array, sources: list, sharding: NamedSharding, shape: t
             if b is None:
                 b = jax.device_put(jnp.zeros(block, dtype), d)
             pieces.append(b.reshape((1,) + tuple(block)))
-        u_arr = jax.make_array_from_single_device_arrays((len(union),) + tuple(block), u_sharding, pieces)
+        u_arr = jax.make_array_from_single_device_arrays(
+            (len(union),) + tuple(block), u_sharding, pieces
+        )
         local = {s.device: s.data[0] for s in fn(u_arr).addressable_shards}
     blocks = [local[d] for d in dst if d.process_index == me]
     return jax.make_array_from_single_device_arrays(shape, sharding, blocks, dtype=dtype)

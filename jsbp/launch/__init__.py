@@ -15,6 +15,10 @@ When a process fails (non-zero exit or killed by a signal) the launcher stops th
 (SIGTERM, then SIGKILL after ``--grace-period`` seconds) and exits with that process's code and a
 message naming its rank. Ctrl-C (SIGINT) or SIGTERM to the launcher stops every process the same
 way. Each process runs in its own process group, so whatever it spawned is stopped too.
+
+A process runs the script through ``jsbp/launch/_child.py`` (like ``python script.py``), which makes
+``sys.exit(code != 0)`` after ``jsbp.distributed.initialize()`` leave at once rather than wait in
+JAX's shutdown barrier for processes that may be waiting for it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import time
 __all__ = ["main", "free_port"]
 
 _PREFIX = "jsbp.launch"
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child.py")
+"""Run by path, so a child imports nothing of jsbp (nor JAX) before the user's script does."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -47,22 +53,63 @@ def _parser() -> argparse.ArgumentParser:
         description="Start N processes of a jsbp program on this machine, with the variables "
         "jsbp.distributed.initialize() reads (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK).",
     )
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True, metavar="N",
-                   help="processes to start on this machine (one per GPU, typically)")
-    p.add_argument("--nnodes", type=int, default=1, metavar="M", help="machines in the run (default 1)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="R",
-                   help="this machine's index, 0..M-1 (default 0)")
-    p.add_argument("--master-addr", "--master_addr", default=None, metavar="A",
-                   help="host of rank 0's coordinator (default 127.0.0.1 for one machine; required for several)")
-    p.add_argument("--master-port", "--master_port", type=int, default=None, metavar="P",
-                   help="port of rank 0's coordinator (default: a free port, one machine only)")
-    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
-                   help="give every process K simulated CPU devices (for testing without accelerators)")
-    p.add_argument("--grace-period", type=float, default=5.0, metavar="S",
-                   help="seconds between SIGTERM and SIGKILL when stopping processes (default 5)")
-    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
-    p.add_argument("-m", "--module", action="store_true",
-                   help="run the program as a module (python -m script), like python -m")
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=int,
+        required=True,
+        metavar="N",
+        help="processes to start on this machine (one per GPU, typically)",
+    )
+    p.add_argument(
+        "--nnodes", type=int, default=1, metavar="M", help="machines in the run (default 1)"
+    )
+    p.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this machine's index, 0..M-1 (default 0)",
+    )
+    p.add_argument(
+        "--master-addr",
+        "--master_addr",
+        default=None,
+        metavar="A",
+        help="host of rank 0's coordinator (default 127.0.0.1 for one machine; required for several)",
+    )
+    p.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="port of rank 0's coordinator (default: a free port, one machine only)",
+    )
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="give every process K simulated CPU devices (for testing without accelerators)",
+    )
+    p.add_argument(
+        "--grace-period",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between SIGTERM and SIGKILL when stopping processes (default 5)",
+    )
+    p.add_argument(
+        "--no-prefix", action="store_true", help="do not prefix output lines with the rank"
+    )
+    p.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the program as a module (python -m script), like python -m",
+    )
     p.add_argument("script", help="the Python script (or module with -m) every process runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
@@ -74,7 +121,9 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.nnodes < 1:
         p.error(f"--nnodes must be >= 1, got {a.nnodes}")
     if not 0 <= a.node_rank < a.nnodes:
-        p.error(f"--node-rank must be in 0..{a.nnodes - 1} for --nnodes {a.nnodes}, got {a.node_rank}")
+        p.error(
+            f"--node-rank must be in 0..{a.nnodes - 1} for --nnodes {a.nnodes}, got {a.node_rank}"
+        )
     if a.nnodes > 1 and (a.master_addr is None or a.master_port is None):
         p.error(
             f"--nnodes {a.nnodes}: every machine must agree on rank 0's coordinator; pass --master-addr "
@@ -192,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     args = list(a.script_args)
     if args and args[0] == "--":
         args = args[1:]
-    cmd = [sys.executable, "-u"] + (["-m", a.script] if a.module else [a.script]) + args
+    kind = "module" if a.module else "path"
+    cmd = [sys.executable, "-u", _CHILD, kind, a.script] + args
     envs = _environments(a)
     ranks = [int(e["RANK"]) for e in envs]
 
@@ -209,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for env, rank in zip(envs, ranks):
             proc = subprocess.Popen(
-                cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 start_new_session=True,  # own process group: signals reach the child's children too
             )
             procs.append(proc)
@@ -222,11 +276,17 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             if received:
                 sig = received[0]
-                _say(f"received {signal.Signals(sig).name}; stopping {sum(p.poll() is None for p in procs)} process(es)")
+                _say(
+                    f"received {signal.Signals(sig).name}; stopping {sum(p.poll() is None for p in procs)} process(es)"
+                )
                 _stop(procs, sig, a.grace_period)
                 status = 128 + sig
                 break
-            failed = [(r, p.returncode) for r, p in zip(ranks, procs) if p.poll() is not None and p.returncode != 0]
+            failed = [
+                (r, p.returncode)
+                for r, p in zip(ranks, procs)
+                if p.poll() is not None and p.returncode != 0
+            ]
             if failed:
                 rank, code = failed[0]
                 alive = sum(p.poll() is None for p in procs)
@@ -248,7 +308,3 @@ def main(argv: list[str] | None = None) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

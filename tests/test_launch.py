@@ -1,0 +1,188 @@
+"""``python -m jsbp.launch``: variables, rank-prefixed output, failure and Ctrl-C handling.
+
+These workers import nothing heavy (no JAX), so each launch costs a Python start; the JAX
+failure case lives in ``test_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WORKERS = REPO / "tests" / "workers"
+BOUND_S = 30
+"""A failed or interrupted run must be over within this many seconds (the launcher's grace
+period is 5 s; the rest is process start-up on a loaded machine)."""
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for n in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "JAX_PLATFORMS",
+              "JSBP_DEVICES_PER_PROCESS", "JAX_NUM_CPU_DEVICES"):  # fmt: skip
+        env.pop(n, None)
+    return env
+
+
+def launch(*args, timeout=120):
+    cmd = [sys.executable, "-m", "jsbp.launch", *map(str, args)]
+    return subprocess.run(
+        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def by_rank(stdout: str) -> dict[int, dict]:
+    out = {}
+    for line in stdout.splitlines():
+        m = re.fullmatch(r"\[rank (\d+)\] (\{.*\})", line)
+        if m:
+            out[int(m.group(1))] = json.loads(m.group(2))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _pids(d: Path, n: int) -> list[int]:
+    return [int((d / f"rank{r}.pid").read_text()) for r in range(n)]
+
+
+def test_sets_variables_and_prefixes_every_line():
+    r = launch("--nproc-per-node", 3, WORKERS / "echo_env.py", "--nnodes", "5", "-m", "x")
+    assert r.returncode == 0, r.stderr
+    got = by_rank(r.stdout)
+    assert sorted(got) == [0, 1, 2]
+    ports = {got[k]["env"]["MASTER_PORT"] for k in got}
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
+    for k, g in got.items():
+        e = g["env"]
+        assert (
+            e["RANK"],
+            e["LOCAL_RANK"],
+            e["WORLD_SIZE"],
+            e["LOCAL_WORLD_SIZE"],
+            e["NODE_RANK"],
+        ) == (str(k), str(k), "3", "3", "0")
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+        assert e["JSBP_DEVICES_PER_PROCESS"] is None
+        # everything after the script belongs to the script, even launcher-like options
+        assert g["argv"] == ["--nnodes", "5", "-m", "x"]
+        assert f"[rank {k}] unterminated {k}" in r.stdout.splitlines()
+        assert f"[rank {k}] stderr of rank {k}" in r.stderr.splitlines()
+    assert all(line.startswith("[rank ") for line in r.stdout.splitlines())
+
+
+def test_node_rank_offsets_global_ranks_and_devices_per_process():
+    r = launch("--nnodes", 2, "--node-rank", 1, "--master-addr", "127.0.0.1", "--master-port", 29999,
+               "--nproc-per-node", 2, "--devices-per-process", 4, WORKERS / "echo_env.py")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = by_rank(r.stdout)
+    assert sorted(got) == [2, 3]
+    for k, g in got.items():
+        e = g["env"]
+        assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["NODE_RANK"]) == (
+            str(k),
+            str(k - 2),
+            "4",
+            "1",
+        )
+        assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("127.0.0.1", "29999")
+        assert (e["JSBP_DEVICES_PER_PROCESS"], e["JAX_NUM_CPU_DEVICES"], e["JAX_PLATFORMS"]) == (
+            "4",
+            "4",
+            "cpu",
+        )
+
+
+def test_module_mode_runs_a_module():
+    r = launch("--nproc-per-node", 2, "--no-prefix", "-m", "platform")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1] and not lines[0].startswith("[rank")
+
+
+@pytest.mark.parametrize(
+    "mode, code, words",
+    [
+        ("exit", 3, "rank 1 exited with code 3"),
+        ("raise", 1, "rank 1 exited with code 1"),
+        ("kill", 128 + signal.SIGKILL, "rank 1 was killed by SIGKILL (exit code -9)"),
+    ],
+)
+def test_a_failed_process_stops_the_others(tmp_path, mode, code, words):
+    t0 = time.monotonic()
+    r = launch("--nproc-per-node", 2, WORKERS / "fail_worker.py", mode, tmp_path, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert elapsed < BOUND_S, f"the launcher took {elapsed:.1f} s to give up"
+    assert f"jsbp.launch: {words}; stopping the other 1 process(es)" in r.stderr
+    assert f"jsbp.launch: failed: {words}" in r.stderr
+    if mode == "raise":
+        assert "[rank 1] RuntimeError: worker failure on purpose" in r.stderr
+    rank0 = _pids(tmp_path, 2)[0]
+    assert not _alive(rank0), "rank 0 (sleeping 600 s) survived the launcher"
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    cmd = [sys.executable, "-m", "jsbp.launch", "--nproc-per-node", "2",
+           str(WORKERS / "fail_worker.py"), "sleep", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"rank{r}.pid").exists() for r in range(2)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.1)
+        time.sleep(0.5)  # the pid file is written before the pid's content is flushed
+        pids = _pids(tmp_path, 2)
+        assert all(_alive(p) for p in pids)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert elapsed < BOUND_S
+    assert "jsbp.launch: received SIGINT; stopping 2 process(es)" in err
+    assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (
+            ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2"],
+            "--node-rank must be in 0..1",
+        ),
+        (["--nproc-per-node", "2", "--nnodes", "2"], "pass --master-addr"),
+        (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
+        (["--nproc-per-node", "1", "--master-port", "70000"], "--master-port must be in 1..65535"),
+        (
+            ["--nproc-per-node", "1", "--devices-per-process", "0"],
+            "--devices-per-process must be >= 1",
+        ),
+    ],
+)
+def test_bad_arguments_are_refused(args, words):
+    r = launch(*args, WORKERS / "echo_env.py")
+    assert r.returncode == 2
+    assert words in r.stderr
+    assert "[rank" not in r.stdout

@@ -1,0 +1,51 @@
+"""A worker for the launcher's failure tests: ``fail_worker.py MODE [PIDFILE_DIR]``.
+
+Rank 1 fails (MODE ``exit``: exit code 3; ``kill``: SIGKILL itself; ``raise``: an uncaught
+exception; ``jax``: exit code 3 after a cross-process collective). Rank 0 never finishes on its
+own: it sleeps (or, for ``jax``, waits in a barrier for rank 1), so only the launcher can stop it.
+``sleep`` mode: every rank sleeps (for the Ctrl-C test). Every rank writes its pid to
+``PIDFILE_DIR/rank<R>.pid`` when given.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+mode = sys.argv[1]
+rank = int(os.environ["RANK"])
+if len(sys.argv) > 2:
+    with open(os.path.join(sys.argv[2], f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+if mode == "jax":
+    import jsbp
+
+    jsbp.distributed.initialize()
+    import jax
+    import numpy as np
+
+    p = jsbp.placement("cpu", [d.id for d in jax.devices()])
+    x = jsbp.tensor(np.arange(16.0), placement=p, sbp="S(0)")
+    assert (x.to_global(sbp="B").numpy() == np.arange(16.0)).all()
+    print("collective ok", flush=True)
+    jsbp.distributed.barrier("both-done")  # rank 0's side of the collective has finished too
+    if rank == 1:
+        print("rank 1 fails now", flush=True)
+        sys.exit(3)
+    jsbp.distributed.barrier("never-reached-by-rank-1")
+    print("rank 0 passed a barrier rank 1 never reached", flush=True)
+    sys.exit(0)
+
+print(f"rank {rank} started", flush=True)
+if rank == 1 and mode != "sleep":
+    time.sleep(0.5)
+    if mode == "exit":
+        sys.exit(3)
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "raise":
+        raise RuntimeError("worker failure on purpose")
+time.sleep(600)
