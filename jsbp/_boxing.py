@@ -43,6 +43,7 @@ COLLECTIVE_LATENCY_BYTES = 1 << 16
 """A collective's fixed cost, in byte-equivalents, added to the bytes it moves."""
 
 _LOCAL_COST = 1.0
+_ZERO_FILL_COST = COLLECTIVE_LATENCY_BYTES / 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +162,15 @@ def _search(src, dst, shape, hierarchy, itemsize, max_collectives):
             if max_collectives is not None and n_used > max_collectives:
                 continue
             nkey = (nxt, n_used if max_collectives is not None else 0)
-            c = cost + mv.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if mv.collective else _LOCAL_COST)
+            if mv.collective:
+                step = COLLECTIVE_LATENCY_BYTES
+            elif mv.dst.is_partial and mv.dst.reduce == "sum":
+                # a zero-fill only pays off when the destination is partial; as a detour
+                # (zero-fill + all-reduce instead of an all-gather) it must lose the tie
+                step = _ZERO_FILL_COST
+            else:
+                step = _LOCAL_COST
+            c = cost + mv.bytes_per_device + step
             if c < best.get(nkey, math.inf) - 1e-9:
                 best[nkey] = c
                 heapq.heappush(heap, (c, next(counter), nkey, path + (mv,)))
