@@ -166,6 +166,8 @@ class placement:  # noqa: N801 - lower-case like OneFlow's flow.placement
         return self.hierarchy[i]
 
     def __eq__(self, other):
+        if self is other:
+            return True
         if not isinstance(other, placement):
             return NotImplemented
         return (
