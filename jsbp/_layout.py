@@ -213,7 +213,7 @@ class Layout:
         if kind is None:
             return addends[0]
         red = {"sum": np.sum, "max": np.max, "min": np.min}[kind]
-        return red(addends, axis=0).astype(phys.dtype)
+        return np.asarray(red(addends, axis=0)).astype(phys.dtype)  # an array even for 0-d
 
 
 @functools.lru_cache(maxsize=4096)

@@ -143,7 +143,7 @@ def parse(value: SbpLike) -> Sbp:
         m = _SPLIT_RE.match(s)
         if m:
             return Split(int(m.group(1)))
-        raise SbpError(f"cannot read {value!r} as an SBP; valid forms are {_VALID}.")
+        raise SbpError(f"cannot read {s!r} as an SBP; valid forms are {_VALID}.")
     raise SbpError(f"cannot read {value!r} ({type(value).__name__}) as an SBP; valid forms are {_VALID}.")
 
 
@@ -172,7 +172,11 @@ def parse_nd(value, ndim: int | None = None) -> tuple[Sbp, ...]:
     if isinstance(value, str):
         s = value.strip()
         if s.startswith("(") and not _SPLIT_RE.match(s):
-            inner = s[1:-1] if s.endswith(")") else s[1:]
+            if not s.endswith(")") or s.count("(") != s.count(")"):
+                raise SbpError(
+                    f"cannot read {value!r} as an nd-sbp: unbalanced parentheses; write e.g. '(S(0), B)'."
+                )
+            inner = s[1:-1]
             items = tuple(parse(p) for p in _split_top(inner))
         elif "," in s:
             items = tuple(parse(p) for p in _split_top(s))

@@ -126,6 +126,7 @@ class GlobalTensor:
 
         For a partial layout each is that device's addend. Padding is sliced off.
         """
+        _check_global(self, "to_local")  # e.g. GlobalTensor.to_local(array) through a tree map
         lay = self._layout
         if isinstance(self._value, jax.core.Tracer):
             raise SbpError(
@@ -515,7 +516,16 @@ def full(shape, value, placement=None, sbp=None, *, dtype=None) -> GlobalTensor:
     """A tensor of ``shape`` filled with ``value``."""
     shape = _shape_args((shape,) if isinstance(shape, (int, np.integer)) else tuple(shape), "full")
     lay = _layout_for(shape, placement, sbp, "full")
-    dt = _canonical_dtype(dtype if dtype is not None else np.result_type(type(value)) if not isinstance(value, float) else np.float32)
+    if not (isinstance(value, (int, float, complex, np.number, np.bool_)) or (
+        hasattr(value, "dtype") and np.ndim(value) == 0 and np.dtype(value.dtype).kind in "biufc"
+    )):
+        raise SbpError(
+            f"full: the fill value must be a number or a 0-d numeric array, got {value!r} "
+            f"({type(value).__name__}); e.g. jsbp.full((2, 3), 1.5, placement=..., sbp=...)."
+        )
+    if dtype is None:  # like jnp.full: the value's own dtype, Python floats as float32
+        dtype = value.dtype if hasattr(value, "dtype") else np.float32 if isinstance(value, float) else np.result_type(type(value))
+    dt = _canonical_dtype(dtype)
     if math.prod(shape) == 0:
         return GlobalTensor(_empty(lay, dt), lay)
     return GlobalTensor(_filled(lay, dt, value.item() if hasattr(value, "item") else value)(), lay)
@@ -551,8 +561,16 @@ def _random_tensor(kind, shape, key, placement, sbp, dtype, op):
     lay = _layout_for(shape, placement, sbp, op)
     if key is None:
         key = _next_key()
-    elif isinstance(key, (int, np.integer)):
+    elif isinstance(key, (int, np.integer)) and not isinstance(key, bool):
         key = jax.random.key(int(key))
+    elif not (
+        isinstance(key, (jax.Array, np.ndarray))
+        and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or key.dtype == np.uint32)
+    ):
+        raise SbpError(
+            f"{op}: key must be an int seed or a JAX PRNG key (jax.random.key(0)), got {key!r} "
+            f"({type(key).__name__})."
+        )
     if math.prod(shape) == 0:
         return GlobalTensor(_empty(lay, _canonical_dtype(dtype)), lay)
     return GlobalTensor(_random(lay, kind, _canonical_dtype(dtype))(key), lay)
