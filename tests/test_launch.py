@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import jsbp.launch as jsbp_launch
+
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
 BOUND_S = 30
@@ -122,16 +124,23 @@ def test_module_mode_runs_a_module():
         ("kill", 128 + signal.SIGKILL, "rank 1 was killed by SIGKILL (exit code -9)"),
     ],
 )
-def test_a_failed_process_stops_the_others(tmp_path, mode, code, words):
+def test_a_failed_process_stops_the_others(tmp_path, capfd, monkeypatch, mode, code, words):
+    # the launcher's main() in this process (its children are real processes): saves a start-up
+    for k, v in _env().items():
+        monkeypatch.setenv(k, v)
     t0 = time.monotonic()
-    r = launch("--nproc-per-node", 2, WORKERS / "fail_worker.py", mode, tmp_path, timeout=120)
+    status = jsbp_launch.main(
+        ["--nproc-per-node", "2", str(WORKERS / "fail_worker.py"), mode, str(tmp_path)]
+    )
     elapsed = time.monotonic() - t0
-    assert r.returncode == code, (r.returncode, r.stderr)
+    out, err = capfd.readouterr()
+    assert status == code, (status, err)
     assert elapsed < BOUND_S, f"the launcher took {elapsed:.1f} s to give up"
-    assert f"jsbp.launch: {words}; stopping the other 1 process(es)" in r.stderr
-    assert f"jsbp.launch: failed: {words}" in r.stderr
+    assert f"jsbp.launch: {words}; stopping the other 1 process(es)" in err
+    assert f"jsbp.launch: failed: {words}" in err
+    assert "[rank 0] rank 0 started" in out and "[rank 1] rank 1 started" in out
     if mode == "raise":
-        assert "[rank 1] RuntimeError: worker failure on purpose" in r.stderr
+        assert "[rank 1] RuntimeError: worker failure on purpose" in err
     rank0 = _pids(tmp_path, 2)[0]
     assert not _alive(rank0), "rank 0 (sleeping 600 s) survived the launcher"
 
@@ -179,10 +188,12 @@ def test_ctrl_c_stops_every_process(tmp_path):
             ["--nproc-per-node", "1", "--devices-per-process", "0"],
             "--devices-per-process must be >= 1",
         ),
+        (["--nproc-per-node", "two"], "invalid int value: 'two'"),
     ],
 )
-def test_bad_arguments_are_refused(args, words):
-    r = launch(*args, WORKERS / "echo_env.py")
-    assert r.returncode == 2
-    assert words in r.stderr
-    assert "[rank" not in r.stdout
+def test_bad_arguments_are_refused(capsys, args, words):
+    with pytest.raises(SystemExit) as e:
+        jsbp_launch.main([*args, str(WORKERS / "echo_env.py")])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert words in err and "[rank" not in out

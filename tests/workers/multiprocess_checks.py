@@ -300,6 +300,45 @@ def factories():
 
 check("factories", factories)
 
+
+def jax_array_input():
+    import jax.numpy as jnp
+
+    v = value((6, 4), 9)
+    for plc, nd in [(P8, "S(0)"), (Q, ("S(1)", "P")), (PA, "B")]:
+        np.testing.assert_array_equal(jsbp.tensor(jnp.asarray(v), placement=plc, sbp=nd).numpy(), v)
+
+
+check("tensor from a jax.Array", jax_array_input)
+
+
+def eager_ops():
+    a, va = make(Q, ("S(0)", "B"), (6, 5), 20)
+    w, vw = make(Q, ("B", "S(1)"), (5, 7), 21)
+    np.testing.assert_array_equal((a @ w).numpy(), va @ vw)
+    b, vb = make(Q, ("P", "S(1)"), (6, 5), 22)
+    np.testing.assert_array_equal((a + b).numpy(), va + vb)
+    np.testing.assert_array_equal((a * 2 - b).sum(0).numpy(), (va * 2 - vb).sum(0))
+
+
+check("eager ops", eager_ops)
+
+
+def compiled():
+    x, vx = make(Q2, ("S(0)", "S(1)"), (8, 6), 30)
+    w, vw = make(Q2, ("B", "S(0)"), (6, 4), 31)
+
+    @jsbp.jit
+    def f(x, w):
+        return jax.numpy.tanh(x @ w).sum(1), (x * x).sum()
+
+    r, t = f(x, w)
+    np.testing.assert_allclose(r.numpy(), np.tanh(vx @ vw).sum(1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(t.numpy(), (vx * vx).sum())
+
+
+check("jsbp.jit", compiled)
+
 print(
     json.dumps({"rank": RANK, "world": WORLD, "checks": checks, "failures": failures}), flush=True
 )
