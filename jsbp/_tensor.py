@@ -384,6 +384,21 @@ def _box_bwd(src, dst, grad, _, ct):
 box.defvjp(_box_fwd, _box_bwd)
 
 
+@functools.lru_cache(maxsize=4096)
+def _to_global_nd_cached(sbp, shape, plc):
+    return normalise_nd(sbp, shape, plc, op="to_global")
+
+
+def _to_global_nd(sbp, shape, plc):
+    """``normalise_nd`` for ``to_global``, cached: parsing "S(0)" is a third of an eager call's
+    Python time. Unhashable spellings (lists) take the uncached path; errors are never cached."""
+    try:
+        hash(sbp)
+    except TypeError:
+        return normalise_nd(sbp, shape, plc, op="to_global")
+    return _to_global_nd_cached(sbp, shape, plc)
+
+
 def to_global(x, placement=None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
     """Box ``x`` to ``placement`` / ``sbp``; see ``GlobalTensor.to_global``.
 
@@ -412,7 +427,7 @@ def to_global(x, placement=None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
             )
         nd = lay.nd_sbp
     else:
-        nd = normalise_nd(sbp, lay.shape, plc, op="to_global")
+        nd = _to_global_nd(sbp, lay.shape, plc)
     dst = layout_of(plc, nd, lay.shape)
     grad = None
     if grad_sbp is not None:
