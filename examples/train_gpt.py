@@ -1,0 +1,434 @@
+"""Train a small character-level GPT (Flax NNX) in jsbp's consistent view.
+
+    python examples/train_gpt.py                       # dp=2,tp=4 on 8 simulated CPU devices
+    python examples/train_gpt.py --parallel dp=8 --zero 2
+    python examples/train_gpt.py --parallel tp=8 --json --steps 20
+    python examples/train_gpt.py --parallel none       # one device, plain jax.jit (the reference)
+
+The model is written once. Every parallelism is a ``jsbp.flax.Strategy`` — layouts only:
+
+* parameters carry Flax logical axis names (``nnx.with_partitioning``) and the strategy maps
+  them to placement axes: ``{"batch": "dp", "vocab": "tp", "heads": "tp", "mlp": "tp"}``.
+  Q/K/V and the MLP's first linear are column-parallel (split on their output dim), the
+  attention output and the MLP's second linear are row-parallel (split on their input dim), the
+  token embedding is vocab-parallel (table split on the vocab dim: its lookup is a partial sum)
+  and the head is vocab-parallel (logits split on the vocab dim, fed to a cross-entropy that
+  never gathers them);
+* ``jsbp.flax.constrain`` pins the residual stream to ``("batch", "seq", "embed")`` — broadcast
+  over ``tp`` — which is Megatron's f/g pair: one all-reduce after each row-parallel layer in the
+  forward, one after each column-parallel input in the backward, nothing between the pair;
+* ``--zero`` splits optimizer state (1), gradients (2) and parameters (3) over ``dp``;
+  ``--accum`` sums gradients over micro-batches and updates once per batch.
+
+With the same ``--seed`` every layout starts from the same parameters and sees the same batches,
+so the losses agree with ``--parallel none`` to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
+DEFAULT_PARALLEL = "dp=2,tp=4"
+
+
+# ----------------------------------------------------------------------------------------------
+# command line (parsed before JAX starts: the device count is fixed at backend start)
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_parallel(text: str) -> dict[str, int]:
+    """``"dp=2,tp=4"`` -> ``{"dp": 2, "tp": 4}``; ``"none"`` -> ``{}``."""
+    text = text.strip().lower()
+    if text in ("", "none"):
+        return {}
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, num = part.partition("=")
+        name = name.strip()
+        if not eq or name not in ("dp", "tp", "pp") or not num.strip().isdigit() or int(num) < 1:
+            raise SystemExit(
+                f"--parallel: cannot read {part!r}; write e.g. dp=2,tp=4 (axes dp, tp, pp) or none"
+            )
+        if name in out:
+            raise SystemExit(f"--parallel: axis {name} given twice in {text!r}")
+        out[name] = int(num)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--parallel",
+        default=DEFAULT_PARALLEL,
+        help="'none' or comma-separated dp=N,tp=N,pp=N whose product is the device count (default %(default)s)",
+    )
+    ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over dp")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=16, help="sequences per optimizer step")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    return ap
+
+
+def configure_devices(n: int) -> None:
+    """Ask for ``n`` simulated CPU devices, unless a backend already runs (then it must have them)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", max(n, 1))
+    except RuntimeError:
+        pass  # a backend is already up (e.g. under pytest): its devices are checked later
+
+
+# ----------------------------------------------------------------------------------------------
+# the model (written once, for one device)
+# ----------------------------------------------------------------------------------------------
+
+import jax  # noqa: E402  (importing jax does not start a backend)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jsbp  # noqa: E402
+import jsbp.flax as jflax  # noqa: E402
+
+ACT = ("batch", "seq", "embed")  # the residual stream's logical dims
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 64
+    seq: int = 64
+    d_model: int = 64
+    n_heads: int = 8
+    n_layers: int = 2
+    d_mlp: int = 256
+
+
+def _w(names, std=0.02):
+    return nnx.with_partitioning(nnx.initializers.normal(std), names)
+
+
+def _zeros(names):
+    return nnx.with_partitioning(nnx.initializers.zeros_init(), names)
+
+
+def _ones(names):
+    return nnx.with_partitioning(nnx.initializers.ones_init(), names)
+
+
+def _linear(din, dout, names, rngs, std=0.02, bias=True):
+    return nnx.Linear(
+        din, dout, rngs=rngs, kernel_init=_w(names, std), bias_init=_zeros(names[1:]), use_bias=bias
+    )
+
+
+def _norm(d, rngs):
+    return nnx.LayerNorm(d, rngs=rngs, scale_init=_ones(("embed",)), bias_init=_zeros(("embed",)))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.q = _linear(d, d, ("embed", "heads"), rngs)  # column-parallel
+        # no key bias: it adds a constant per query row, which the softmax cancels (zero gradient)
+        self.k = _linear(d, d, ("embed", "heads"), rngs, bias=False)
+        self.v = _linear(d, d, ("embed", "heads"), rngs)
+        self.o = _linear(
+            d, d, ("heads", "embed"), rngs, std=0.02 / math.sqrt(2 * cfg.n_layers)
+        )  # row-parallel
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        h = self.n_heads
+        q = self.q(x).reshape(b, t, h, d // h)
+        k = self.k(x).reshape(b, t, h, d // h)
+        v = self.v(x).reshape(b, t, h, d // h)
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d // h)
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), s.shape)
+        causal = jflax.constrain(causal, ("batch", "heads", None, None), grad_sbp=None)
+        s = jnp.where(causal, s, jnp.finfo(s.dtype).min)
+        a = jax.nn.softmax(s, axis=-1)
+        y = jnp.einsum("bhts,bshd->bthd", a, v).reshape(b, t, d)
+        return self.o(y)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.fc = _linear(cfg.d_model, cfg.d_mlp, ("embed", "mlp"), rngs)  # column-parallel
+        self.proj = _linear(
+            cfg.d_mlp, cfg.d_model, ("mlp", "embed"), rngs, std=0.02 / math.sqrt(2 * cfg.n_layers)
+        )
+
+    def __call__(self, x):
+        return self.proj(jax.nn.gelu(self.fc(x)))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.ln1 = _norm(cfg.d_model, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.ln2 = _norm(cfg.d_model, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x):
+        c = jflax.constrain
+        x = x + c(self.attn(c(self.ln1(x), ACT)), ACT)
+        return x + c(self.mlp(c(self.ln2(x), ACT)), ACT)
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wte = nnx.Embed(
+            cfg.vocab, cfg.d_model, rngs=rngs, embedding_init=_w(("vocab", "embed"))
+        )
+        self.wpe = nnx.Embed(
+            cfg.seq, cfg.d_model, rngs=rngs, embedding_init=_w((None, "embed"), 0.01)
+        )
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.ln_f = _norm(cfg.d_model, rngs)
+        self.head = _linear(cfg.d_model, cfg.vocab, ("embed", "vocab"), rngs)  # vocab-parallel
+
+    def __call__(self, tokens):
+        t = tokens.shape[1]
+        x = jflax.constrain(self.wte(tokens) + self.wpe(jnp.arange(t))[None], ACT)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(jflax.constrain(self.ln_f(x), ACT))
+
+
+def loss_fn(model: GPT, batch):
+    """Next-character cross-entropy; the logits stay split over the vocab under tensor parallelism."""
+    logits = model(batch[:, :-1])
+    return jflax.softmax_cross_entropy(logits, batch[:, 1:], ("batch", "seq", "vocab"))
+
+
+def init(cfg: GPTConfig, seed: int, lr: float = 3e-3):
+    """Model and optimizer on one device; the same ``seed`` gives the same parameters everywhere."""
+    with nnx.use_eager_sharding(False):
+        model = GPT(cfg, nnx.Rngs(seed))
+    optimizer = nnx.Optimizer(
+        model, optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.01), wrt=nnx.Param
+    )
+    return model, optimizer
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------
+
+
+class Corpus:
+    """Character-level tokens of a text file; the vocabulary is padded to a multiple of 8."""
+
+    def __init__(self, path: Path = DATA):
+        text = Path(path).read_text(encoding="utf-8")
+        self.chars = sorted(set(text))
+        self.index = {c: i for i, c in enumerate(self.chars)}
+        self.tokens = np.array([self.index[c] for c in text], dtype=np.int32)
+        self.vocab = -(-len(self.chars) // 8) * 8
+
+    def batches(self, seed: int, batch: int, seq: int):
+        """An endless stream of ``(batch, seq + 1)`` windows in an order fixed by ``seed``."""
+        rng = np.random.default_rng(seed)
+        hi = len(self.tokens) - seq - 1
+        while True:
+            starts = rng.integers(0, hi, size=batch)
+            yield np.stack([self.tokens[s : s + seq + 1] for s in starts])
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] if i < len(self.chars) else "?" for i in ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# strategies: layouts only
+# ----------------------------------------------------------------------------------------------
+
+LOGICAL_AXES = {
+    "batch": "dp",
+    "vocab": "tp",
+    "heads": "tp",
+    "mlp": "tp",
+    "embed": None,
+    "seq": None,
+}
+
+
+def make_strategy(axes: dict[str, int], zero: int = 0) -> jflax.Strategy | None:
+    """``{"dp": 2, "tp": 4}`` -> a Strategy on a (dp, tp) placement; ``{}`` -> None (one device)."""
+    if "pp" in axes and axes["pp"] > 1:
+        raise jsbp.SbpError(
+            f"--parallel pp={axes['pp']}: pipeline parallelism is not yet supported by train_gpt.py "
+            "(jsbp.pipeline is a separate issue); use dp and tp."
+        )
+    axes = {k: v for k, v in axes.items() if k != "pp"}
+    if not axes:
+        if zero:
+            raise jsbp.SbpError(f"--zero {zero} needs a data-parallel axis (dp=N in --parallel).")
+        return None
+    n = math.prod(axes.values())
+    devices = jax.devices()
+    if len(devices) < n:
+        raise jsbp.SbpError(f"--parallel {axes} needs {n} devices, JAX has {len(devices)}.")
+    names = tuple(axes)
+    ranks = np.array([d.id for d in devices[:n]]).reshape(tuple(axes.values()))
+    plc = jsbp.placement(devices[0].platform, ranks, axis_names=names)
+    logical = {k: v for k, v in LOGICAL_AXES.items() if v is None or v in names}
+    return jflax.Strategy(plc, logical_axes=logical, zero=zero)
+
+
+# ----------------------------------------------------------------------------------------------
+# training
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    losses: list[float]
+    model: GPT  # plain (gathered) NNX model
+    step_fn: jflax.TrainStep
+    sharded: tuple  # (model, optimizer) as trained
+    seconds: float
+
+
+def train(
+    parallel: dict[str, int] | str = DEFAULT_PARALLEL,
+    *,
+    zero: int = 0,
+    accum: int = 1,
+    steps: int = 10,
+    seed: int = 0,
+    batch: int = 16,
+    lr: float = 3e-3,
+    cfg: GPTConfig | None = None,
+    corpus: Corpus | None = None,
+    on_step=None,
+    on_start=None,
+) -> Run:
+    """Train ``steps`` optimizer steps; returns the per-step losses and the final (gathered) model."""
+    if isinstance(parallel, str):
+        parallel = parse_parallel(parallel)
+    corpus = corpus or Corpus()
+    cfg = cfg or GPTConfig(vocab=corpus.vocab)
+    strategy = make_strategy(parallel, zero)
+    model, optimizer = init(cfg, seed, lr)
+    if strategy is not None:
+        model, optimizer = jflax.shard((model, optimizer), strategy)
+    step = jflax.make_train_step(loss_fn, strategy, accum=accum)
+    data = corpus.batches(seed, batch, cfg.seq)
+    if on_start is not None:
+        on_start(step, model, optimizer, next(corpus.batches(seed, batch, cfg.seq)))
+    losses = []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        loss = step(model, optimizer, next(data))
+        value = float(loss.numpy() if isinstance(loss, jsbp.GlobalTensor) else loss)
+        losses.append(value)
+        if on_step is not None:
+            on_step(i, value)
+    seconds = time.perf_counter() - t0
+    plain = jflax.gather(model) if strategy is not None else model
+    return Run(losses, plain, step, (model, optimizer), seconds)
+
+
+def sample(model: GPT, corpus: Corpus, prompt: str, n: int) -> str:
+    """Greedy continuation of ``prompt`` on one device."""
+    seq = model.cfg.seq
+    fwd = nnx.jit(lambda m, x: m(x))
+    ids = [corpus.index.get(c, 0) for c in prompt][-seq:]
+    for _ in range(n):
+        window = ids[-seq:]
+        x = np.zeros((1, seq), np.int32)
+        x[0, : len(window)] = window
+        logits = fwd(model, jnp.asarray(x))[0, len(window) - 1, : len(corpus.chars)]
+        ids.append(int(jnp.argmax(logits)))
+    return corpus.decode(ids)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    axes = parse_parallel(args.parallel)
+    configure_devices(math.prod(axes.values()) if axes else 1)
+    out = sys.stderr if args.json else sys.stdout
+
+    def show(text=""):
+        print(text, file=out, flush=True)
+
+    corpus = Corpus()
+    cfg = GPTConfig(vocab=corpus.vocab)
+    show(
+        f"jsbp train_gpt: {len(corpus.tokens)} characters, vocab {len(corpus.chars)} (padded to {cfg.vocab}), "
+        f"{jax.device_count()} {jax.devices()[0].platform} device(s)"
+    )
+
+    def on_start(step, model, optimizer, batch):
+        strategy = step.strategy
+        if strategy is None:
+            show("parallel: none (one device, plain jax.jit)")
+            return
+        show(f"{strategy}")
+        show("\nparameter layouts:")
+        show(jflax.describe(model))
+        t = time.perf_counter()
+        plan = step.explain(model, optimizer, batch)
+        kinds = {k: v for k, v in plan.collectives().items() if v}
+        show(
+            f"\nplan: {sum(kinds.values())} collective(s) per step {kinds}, "
+            f"{plan.total_bytes_per_device / 1024:.1f} KiB moved per device (planned in {time.perf_counter() - t:.1f}s)\n"
+        )
+
+    bar = None
+    if not args.json:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stdout)
+
+    def on_step(i, loss):
+        if args.json:
+            print(json.dumps({"step": i, "loss": loss}), flush=True)
+        else:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+
+    t0 = time.perf_counter()
+    run = train(
+        axes,
+        zero=args.zero,
+        accum=args.accum,
+        steps=args.steps,
+        seed=args.seed,
+        batch=args.batch,
+        lr=args.lr,
+        cfg=cfg,
+        corpus=corpus,
+        on_step=on_step,
+        on_start=on_start,
+    )
+    if bar is not None:
+        bar.close()
+    show(
+        f"final loss {run.losses[-1]:.4f} after {args.steps} steps ({time.perf_counter() - t0:.1f}s total)"
+    )
+    if not args.json:
+        show("sample: " + repr(sample(run.model, corpus, "Shall I compare ", 48)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""Put NNX objects (models, ``nnx.Optimizer``) on a placement and take them off again.
+
+``shard`` returns ordinary NNX objects whose ``Variable`` values are ``GlobalTensor`` s laid out
+by a ``Strategy``; ``gather`` returns ordinary NNX objects holding plain logical ``jax.Array`` s
+(on the default device), e.g. for evaluation or saving. ``layouts`` / ``describe`` /
+``local_nbytes`` report what each device holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from .. import _sbp
+from .._errors import SbpError
+from .._tensor import GlobalTensor, tensor
+from ._strategy import LeafLayouts, Strategy
+
+__all__ = ["shard", "gather", "layouts", "describe", "local_nbytes", "leaf_layouts", "path_str"]
+
+Path = tuple[Any, ...]
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """``('blocks', 0, 'fc', 'kernel')`` -> ``'blocks/0/fc/kernel'`` (what ``param_sbp`` regexes see)."""
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def _kind(var) -> str:
+    if isinstance(var, nnx.Param):
+        return "param"
+    if isinstance(var, nnx.OptState):
+        return "opt"
+    return "other"
+
+
+def _names(var):
+    try:
+        return var.get_metadata().get("out_sharding")
+    except AttributeError:  # pragma: no cover - very old Variable types
+        return None
+
+
+def _value(var):
+    return var.get_value() if hasattr(var, "get_value") else var.value
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(np.shape(value))
+
+
+def leaf_layouts(flat: Sequence[tuple[Path, Any]], strategy: Strategy) -> dict[Path, LeafLayouts]:
+    """The ``LeafLayouts`` of every leaf of a flat NNX state under ``strategy``.
+
+    Optimizer state whose path ends with a parameter's path (and has its shape) takes that
+    parameter's base layout: "moments follow their parameter". Other leaves follow the
+    strategy's path patterns and logical names.
+    """
+    params = {}
+    for path, var in flat:
+        if _kind(var) == "param":
+            params[path] = var
+    # every suffix of a parameter path (at least two keys) -> that parameter, if unambiguous
+    by_suffix: dict[Path, Path | None] = {}
+    for path in params:
+        for k in range(len(path) - 1):
+            suf = path[k:]
+            if len(suf) < 2:
+                continue
+            by_suffix[suf] = None if (suf in by_suffix and by_suffix[suf] != path) else path
+    base_of: dict[Path, tuple] = {}
+    for path, var in params.items():
+        base_of[path] = strategy.base_sbp(path_str(path), _shape(_value(var)), _names(var))
+    out: dict[Path, LeafLayouts] = {}
+    for path, var in flat:
+        kind = _kind(var)
+        shape = _shape(_value(var))
+        base = base_of.get(path)
+        if kind == "opt" and shape:
+            for k in range(len(path) - 1):
+                p = by_suffix.get(path[k:])
+                if p is not None and _shape(_value(params[p])) == shape:
+                    base = base_of[p]
+                    break
+        out[path] = strategy.leaf_layouts(kind, path_str(path), shape, _names(var), base=base)
+    return out
+
+
+def _put(value, placement, nd):
+    if isinstance(value, GlobalTensor):
+        return value.to_global(placement=placement, sbp=nd)
+    arr = value
+    dt = getattr(arr, "dtype", None)
+    if dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
+        return value  # typed PRNG keys stay plain (broadcast) arrays
+    return tensor(arr, placement=placement, sbp=nd)
+
+
+def _split(tree):
+    if isinstance(tree, nnx.State):
+        return None, tree
+    return nnx.split(tree)
+
+
+def _join(graphdef, state):
+    return state if graphdef is None else nnx.merge(graphdef, state)
+
+
+def shard(tree, strategy: Strategy):
+    """Lay ``tree`` (an NNX module, an ``nnx.Optimizer``, a tuple of them, or an ``nnx.State``)
+    out on ``strategy.placement``; returns the same kind of object with ``GlobalTensor`` values.
+
+    Shard a model and its optimizer together — ``model, opt = shard((model, opt), strategy)`` —
+    so that shared references are kept and moments find their parameters.
+    """
+    if not isinstance(strategy, Strategy):
+        raise SbpError(f"shard: strategy must be a jsbp.flax.Strategy, got {strategy!r}.")
+    graphdef, state = _split(tree)
+    flat = list(nnx.to_flat_state(state))
+    lays = leaf_layouts(flat, strategy)
+    plc = strategy.placement
+    new = [(path, var.replace(_put(_value(var), plc, lays[path].stored))) for path, var in flat]
+    return _join(graphdef, nnx.from_flat_state(new))
+
+
+def gather(tree):
+    """The logical values of a sharded NNX object as an ordinary one (plain ``jax.Array`` s)."""
+    graphdef, state = _split(tree)
+    flat = list(nnx.to_flat_state(state))
+    new = []
+    for path, var in flat:
+        v = _value(var)
+        if isinstance(v, GlobalTensor):
+            v = jax.numpy.asarray(v.numpy())
+        new.append((path, var.replace(v)))
+    return _join(graphdef, nnx.from_flat_state(new))
+
+
+def _flat_globals(tree):
+    _, state = _split(tree)
+    return [(path, _value(var)) for path, var in nnx.to_flat_state(state)]
+
+
+def layouts(tree) -> dict[str, str]:
+    """``{path: nd-sbp}`` of every ``GlobalTensor`` leaf (``'B'`` style strings)."""
+    return {
+        path_str(p): _sbp.nd_str(v.sbp)
+        for p, v in _flat_globals(tree)
+        if isinstance(v, GlobalTensor)
+    }
+
+
+def describe(tree) -> str:
+    """A table: path, logical shape, nd-sbp, local shape on the first device."""
+    rows = []
+    for p, v in _flat_globals(tree):
+        if isinstance(v, GlobalTensor):
+            lay = v.layout
+            rows.append((path_str(p), str(v.shape), _sbp.nd_str(v.sbp), str(lay.local_shape)))
+        else:
+            rows.append((path_str(p), str(_shape(v)), "(plain)", ""))
+    if not rows:
+        return "(no state)"
+    w = [max(len(r[i]) for r in rows + [("path", "shape", "sbp", "local")]) for i in range(4)]
+    head = f"{'path':<{w[0]}}  {'shape':<{w[1]}}  {'sbp':<{w[2]}}  local"
+    lines = [head, "-" * len(head)]
+    lines += [f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+def local_nbytes(tree, *, include_scalars: bool = True) -> list[int]:
+    """Bytes each device of the placement holds for ``tree`` (from ``to_local`` shapes, padding
+    excluded), in placement order."""
+    totals: list[int] | None = None
+    for _, v in _flat_globals(tree):
+        if not isinstance(v, GlobalTensor):
+            continue
+        if not include_scalars and not v.shape:
+            continue
+        sizes = [int(np.prod(x.shape)) * np.dtype(v.dtype).itemsize for x in v.to_local()]
+        totals = sizes if totals is None else [a + b for a, b in zip(totals, sizes)]
+    return totals or []
