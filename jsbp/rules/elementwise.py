@@ -15,11 +15,11 @@ UNARY = (
     "square", "population_count", "clz", "reduce_precision",
     "bessel_i0e", "bessel_i1e",
 )
-LINEAR_UNARY = ("neg", "stop_gradient", "copy", "copy_p", "real", "imag", "conj")
+LINEAR_UNARY = ("neg", "stop_gradient", "copy", "real", "imag", "conj")
 BINARY = (
     "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "and", "or", "xor",
     "eq", "ne", "lt", "le", "gt", "ge", "shift_left", "shift_right_logical", "shift_right_arithmetic",
-    "nextafter", "igamma", "igammac", "random_gamma_grad", "polygamma", "zeta",
+    "nextafter", "igamma", "igammac", "polygamma", "zeta",
 )
 
 
@@ -33,8 +33,8 @@ def _elementwise(ctx, partial_sigs=()):
         yield ins, (out,) * len(ctx.out_avals)
 
 
-def _scalar(shape):
-    return len(shape) == 0
+def _inexact(dtype) -> bool:
+    return bool(np.issubdtype(np.dtype(dtype), np.inexact)) or "float" in str(dtype)
 
 
 @register_sbp_rule(*UNARY)
@@ -47,7 +47,7 @@ def _unary(ctx):
 @register_sbp_rule(*LINEAR_UNARY)
 def _linear_unary(ctx):
     extra = [((P,), P)]
-    if ctx.primitive.name in ("stop_gradient", "copy", "copy_p"):  # identities keep any partial
+    if ctx.primitive.name in ("stop_gradient", "copy"):  # identities keep any partial
         extra += [((PMAX,), PMAX), ((PMIN,), PMIN)]
     yield from _elementwise(ctx, extra)
 
@@ -73,7 +73,7 @@ def _binary(ctx):
         extra.append(((P, P), P))
     elif name == "mul":
         extra += [((P, B), P), ((B, P), P)]
-    elif name == "div":
+    elif name == "div" and _inexact(ctx.out_avals[0].dtype):  # integer division is not linear
         extra.append(((P, B), P))
     elif name == "max":
         extra += [((PMAX, PMAX), PMAX), ((PMAX, B), PMAX), ((B, PMAX), PMAX)]
@@ -93,10 +93,31 @@ def _clamp(ctx):
     yield from _elementwise(ctx)
 
 
-@register_sbp_rule("sharding_constraint", "optimization_barrier", "pvary", "mesh_cast", "reshard", "name")
-def _identity(ctx):
-    n = len(ctx.in_avals)
-    if n == 1:
-        yield from _elementwise(ctx, [((P,), P), ((PMAX,), PMAX), ((PMIN,), PMIN)])
-    else:  # multi-operand identities: every operand keeps B
-        yield (B,) * n, (B,) * len(ctx.out_avals)
+def _annotation_local(st, ins):
+    """Sharding annotations describe a *logical* mesh that the consistent view owns: on local
+    shards they are identities (binding one inside the shard_map would name foreign devices)."""
+    return list(ins) if st.eqn.primitive.multiple_results else ins[0]
+
+
+def _identity_sigs(ctx):
+    """Identities keep every layout, partial ones included; several operands move together."""
+    n_in, n_out = len(ctx.in_avals), len(ctx.out_avals)
+    rank = min((len(s) for s in ctx.in_shapes), default=0)
+    for d in range(rank):
+        yield (Split(d),) * n_in, (Split(d),) * n_out
+    for x in (B, P, PMAX, PMIN):
+        yield (x,) * n_in, (x,) * n_out
+
+
+register_sbp_rule("sharding_constraint", local=_annotation_local)(_identity_sigs)
+register_sbp_rule("optimization_barrier", "name")(_identity_sigs)
+
+
+@register_sbp_rule("bitcast_convert_type")
+def _bitcast(ctx):
+    """Same width: elementwise. A narrower result gains a trailing dim, a wider one loses one;
+    every other dim can stay split."""
+    in_rank, out_rank = len(ctx.in_shapes[0]), len(ctx.out_shapes[0])
+    for d in range(min(in_rank, out_rank)):
+        yield (Split(d),), (Split(d),)
+    yield (B,), (B,)

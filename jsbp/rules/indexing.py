@@ -9,7 +9,7 @@ from jax import lax
 
 from .._boxing import _device_index
 from .._sbp import Split
-from ._common import B, P, mask_padding
+from ._common import B, P, valid_mask
 from ._registry import register_sbp_rule
 
 
@@ -43,34 +43,77 @@ def _block_offsets(lay, d):
     return jnp.asarray(offs, jnp.int32)[dev], jnp.asarray(sizes, jnp.int32)[dev]
 
 
+def _localise(idx, lay, d, mode, n_global):
+    """Global row indices -> this device's local rows along dim ``d``, and whether each is here.
+
+    CLIP semantics are applied to the global index first, so an out-of-range index lands on the
+    device that holds the edge row, exactly as on one device."""
+    if mode == lax.GatherScatterMode.CLIP:
+        idx = jnp.clip(idx, 0, max(n_global - 1, 0))
+    off, n = _block_offsets(lay, d)
+    local = idx - off.astype(idx.dtype)
+    inside = (local >= 0) & (local < n.astype(idx.dtype))
+    return local, inside, off
+
+
+def _first_addend(lay):
+    """True on the devices that hold addend 0 of a partial layout (all partial-axis coords 0)."""
+    first = jnp.asarray(True)
+    for a in lay.partial_axes:
+        first = first & (lax.axis_index(lay.placement.axis_names[a]) == 0)
+    return first
+
+
 def _gather_local(st, ins):
     x, idx = ins
     params = dict(st.eqn.params)
     dn = params["dimension_numbers"]
     lay = st.in_layouts[0]
+    mode = params["mode"]
     sizes = list(params["slice_sizes"])
     for d, sp in enumerate(lay.splitters):
         if sp and d not in dn.start_index_map:
             sizes[d] = lay.local_shape[d]
     params["slice_sizes"] = tuple(sizes)
     vocab = [d for d in dn.start_index_map if lay.splitters[d]]
-    if not vocab:
+    fill_once = mode == lax.GatherScatterMode.FILL_OR_DROP and (vocab or lay.partial_axes)
+    if not vocab and not fill_once:
         return st.eqn.primitive.bind(x, idx, **params)
-    (d,) = vocab
-    off, n = _block_offsets(lay, d)
-    local = idx - off.astype(idx.dtype)
-    inside = (local >= 0) & (local < n.astype(idx.dtype))
-    out = st.eqn.primitive.bind(x, jnp.clip(local, 0, max(lay.local_shape[d] - 1, 0)), **params)
-    keep = inside[..., 0]
-    # out dims: batch dims follow idx batch dims, offset dims appended where dn.offset_dims says
+    owner = _first_addend(lay)  # the one device (per output block) that contributes the fill value
+    if vocab:
+        # vocab parallel: each device answers the rows it holds with their value, all others
+        # with 0; the sum over devices (P) is the gathered row
+        (d,) = vocab
+        local, inside, off = _localise(idx, lay, d, mode, lay.shape[d])
+        params["mode"] = lax.GatherScatterMode.CLIP
+        out = st.eqn.primitive.bind(x, jnp.clip(local, 0, max(lay.local_shape[d] - 1, 0)), **params)
+        keep = inside[..., 0]
+        owner = owner & (off == 0)
+    else:
+        out = st.eqn.primitive.bind(x, idx, **params)
+        keep = None
     batch_out = [i for i in range(out.ndim) if i not in dn.offset_dims]
     shape = [1] * out.ndim
     for i, bo in enumerate(batch_out):
-        shape[bo] = keep.shape[i]
-    return jnp.where(keep.reshape(shape), out, jnp.zeros((), out.dtype))
+        shape[bo] = idx.shape[i]
+    if keep is not None:
+        out = jnp.where(keep.reshape(shape), out, jnp.zeros((), out.dtype))
+    if fill_once:
+        # an index outside the whole operand gives the fill value: one addend of P carries it
+        slice_sizes = st.eqn.params["slice_sizes"]
+        oob = jnp.zeros(idx.shape[:-1], bool)
+        for k, od in enumerate(dn.start_index_map):
+            g = idx[..., k]
+            oob = oob | (g < 0) | (g > lay.shape[od] - slice_sizes[od])
+        fill = jnp.asarray(params["fill_value"], out.dtype)
+        out = jnp.where(oob.reshape(shape), jnp.where(owner, fill, jnp.zeros((), out.dtype)), out)
+    return out
 
 
 register_sbp_rule("gather", local=_gather_local)(_gather_sigs)
+
+
+_ADDITIVE = ("scatter-add", "scatter-sub")
 
 
 def _scatter_sigs(ctx):
@@ -78,19 +121,20 @@ def _scatter_sigs(ctx):
     op_shape, idx_shape, upd_shape = ctx.in_shapes
     upd_window = tuple(dn.update_window_dims)
     upd_batch = [d for d in range(len(upd_shape)) if d not in upd_window]
-    name = ctx.primitive.name
-    additive = name == "scatter-add" or name == "scatter_add"
+    additive = ctx.primitive.name in _ADDITIVE
     if not tuple(getattr(dn, "operand_batching_dims", ())):
         if additive:
-            # each device scatters its own updates: operand P (zeros), result P
+            # each device scatters its own updates into its own addend of the operand: P
             for i, ud in enumerate(upd_batch):
                 yield (P, Split(i), Split(ud)), (P,)
-            # vocab-parallel gradient: the operand split on the single scattered dim
-            if len(dn.scatter_dims_to_operand_dims) == 1 and dn.scatter_dims_to_operand_dims[0] in dn.inserted_window_dims:
-                d = dn.scatter_dims_to_operand_dims[0]
-                yield (Split(d), B, B), (Split(d),)
+            # scatter-add is linear in (operand, updates) together
             yield (P, B, P), (P,)
-        # operand dims that are window dims taken whole can stay split with the update's window dim
+        # operand split on the single scattered dim (the vocab-parallel gradient): every device
+        # applies the updates that land in its rows
+        if len(dn.scatter_dims_to_operand_dims) == 1 and dn.scatter_dims_to_operand_dims[0] in dn.inserted_window_dims:
+            d = dn.scatter_dims_to_operand_dims[0]
+            yield (Split(d), B, B), (Split(d),)
+        # operand dims that are window dims taken whole stay split with the update's window dim
         kept = [d for d in range(len(op_shape)) if d not in dn.inserted_window_dims]
         for j, d in enumerate(kept):
             if d not in dn.scatter_dims_to_operand_dims and upd_shape[upd_window[j]] == op_shape[d]:
@@ -98,34 +142,47 @@ def _scatter_sigs(ctx):
     yield (B, B, B), (B,)
 
 
+def _clip_global(idx, eqn):
+    """CLIP semantics on the global indices (before they are localised or dropped)."""
+    dn = eqn.params["dimension_numbers"]
+    op_shape = eqn.invars[0].aval.shape
+    upd_shape = eqn.invars[2].aval.shape
+    batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    kept = [d for d in range(len(op_shape)) if d not in dn.inserted_window_dims and d not in batching]
+    window = {d: upd_shape[w] for d, w in zip(kept, dn.update_window_dims)}
+    cols = [jnp.clip(idx[..., k], 0, max(op_shape[od] - window.get(od, 1), 0))
+            for k, od in enumerate(dn.scatter_dims_to_operand_dims)]
+    return jnp.stack(cols, axis=-1).astype(idx.dtype)
+
+
 def _scatter_local(st, ins):
     x, idx, upd = ins
     params = dict(st.eqn.params)
     dn = params["dimension_numbers"]
     lay = st.in_layouts[0]
-    # padded (garbage) update rows of an uneven split must not reach valid operand rows
-    upd_lay = st.in_layouts[2]
-    upd_batch = [d for d in range(upd.ndim) if d not in dn.update_window_dims]
-    if any(upd_lay.splitters[d] for d in upd_batch):
-        upd = mask_padding(upd, upd_lay, upd_batch, 0)
-        idx_lay = st.in_layouts[1]
-        big = jnp.iinfo(idx.dtype).max
-        idx = mask_padding(idx, idx_lay, range(idx.ndim - 1), big)
-        params["mode"] = lax.GatherScatterMode.FILL_OR_DROP
+    drop = None  # index positions whose update must not be applied here
     vocab = [d for d in dn.scatter_dims_to_operand_dims if lay.splitters[d]]
-    if not vocab:
+    ilay = st.in_layouts[1]
+    pad_mask = valid_mask(ilay, range(idx.ndim - 1), idx.ndim)
+    if not vocab and pad_mask is None:
         return st.eqn.primitive.bind(x, idx, upd, **params)
-    (d,) = vocab
-    off, n = _block_offsets(lay, d)
-    local = idx - off.astype(idx.dtype)
-    inside = (local >= 0) & (local < n.astype(idx.dtype))
-    # out-of-range rows are sent past the end and dropped
-    big = jnp.asarray(lay.local_shape[d] + 1, idx.dtype)
-    local = jnp.where(inside, local, big)
+    if params["mode"] == lax.GatherScatterMode.CLIP:
+        idx = _clip_global(idx, st.eqn)
+    if vocab:
+        (d,) = vocab
+        k = list(dn.scatter_dims_to_operand_dims).index(d)
+        local, inside, _ = _localise(idx[..., k], lay, d, None, lay.shape[d])
+        idx = idx.at[..., k].set(local)
+        drop = ~inside
+    # indices split with padding: the padded rows carry garbage updates; drop them
+    if pad_mask is not None:
+        pad = ~pad_mask[..., 0]
+        drop = pad if drop is None else (drop | pad)
+    big = jnp.asarray(max(x.shape, default=0) + 1, idx.dtype)
+    idx = jnp.where(drop[..., None], big, idx)
     params["mode"] = lax.GatherScatterMode.FILL_OR_DROP
-    return st.eqn.primitive.bind(x, local, upd, **params)
+    return st.eqn.primitive.bind(x, idx, upd, **params)
 
 
-for _name in ("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul", "scatter-min",
-              "scatter_min", "scatter-max", "scatter_max"):
+for _name in ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"):
     register_sbp_rule(_name, local=_scatter_local)(_scatter_sigs)

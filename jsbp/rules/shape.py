@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
+from .._boxing import _device_index
 from .._sbp import Split
 from ._common import PMAX, PMIN, B, P
 from ._registry import register_sbp_rule
@@ -113,7 +115,7 @@ def _reshape_local(st, ins):
 register_sbp_rule("reshape", local=_reshape_local)(_reshape_sigs)
 
 
-# -- transpose, squeeze, expand_dims, rev ----------------------------------------------------------
+# -- transpose, squeeze, rev (jnp.expand_dims traces to broadcast_in_dim) ----------------------------------------------------------
 @register_sbp_rule("transpose")
 def _transpose(ctx):
     perm = ctx.params["permutation"]
@@ -130,18 +132,6 @@ def _squeeze(ctx):
     for d in range(rank):
         if d not in dims:
             yield (Split(d),), (Split(d - sum(1 for x in dims if x < d)),)
-    yield (B,), (B,)
-    yield from _ALL_PARTIAL
-
-
-@register_sbp_rule("expand_dims")
-def _expand_dims(ctx):
-    dims = sorted(ctx.params["dimensions"])
-    rank = len(ctx.in_shapes[0])
-    out_rank = rank + len(dims)
-    kept = [d for d in range(out_rank) if d not in dims]
-    for i, d in enumerate(kept):
-        yield (Split(i),), (Split(d),)
     yield (B,), (B,)
     yield from _ALL_PARTIAL
 
@@ -175,6 +165,8 @@ def _pad(ctx):
         if lo == 0 and hi == 0 and interior == 0:
             yield (Split(d), B), (Split(d),)
     yield (B, B), (B,)
+    # pad is linear in (operand, padding value) together: the addends pad with their own values
+    yield (P, P), (P,)
 
 
 def _full_range(start, limit, strides, d, n):
@@ -255,10 +247,8 @@ def _dyn_update(ctx):
 
 # -- iota, sort ---------------------------------------------------------------------------------------
 def _iota_sigs(ctx):
-    dim = ctx.params["dimension"]
     for d in range(len(ctx.params["shape"])):
-        if d != dim:
-            yield (), (Split(d),)
+        yield (), (Split(d),)  # along the counting dim each block adds its offset
     yield (), (B,)
 
 
@@ -267,7 +257,14 @@ def _iota_local(st, ins):
     params["shape"] = tuple(_out_local_shape(st))
     if "sharding" in params:
         params["sharding"] = None
-    return st.eqn.primitive.bind(**params)
+    out = st.eqn.primitive.bind(**params)
+    dim = params["dimension"]
+    lay = st.out_layouts[0]
+    if lay.splitters[dim]:
+        offsets = np.array([blk[dim][0] for blk in lay.blocks], dtype=np.int64)
+        off = jnp.asarray(offsets, jnp.int32)[_device_index(lay.placement)]
+        out = out + off.astype(out.dtype)
+    return out
 
 
 register_sbp_rule("iota", local=_iota_local)(_iota_sigs)
@@ -286,10 +283,9 @@ def _sort(ctx):
 @register_sbp_rule("top_k")
 def _top_k(ctx):
     rank = len(ctx.in_shapes[0])
+    axis = ctx.params.get("axis", -1) % rank
     n_in = len(ctx.in_avals)
-    for d in range(rank - 1):
-        yield (Split(d),) + (B,) * (n_in - 1), (Split(d),) * len(ctx.out_avals)
+    for d in range(rank):
+        if d != axis:
+            yield (Split(d),) + (B,) * (n_in - 1), (Split(d),) * len(ctx.out_avals)
     yield (B,) * n_in, (B,) * len(ctx.out_avals)
-
-
-del jnp
