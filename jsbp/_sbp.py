@@ -11,7 +11,6 @@ import dataclasses
 import operator
 import re
 from collections.abc import Sequence
-from typing import Union
 
 from ._errors import SbpError
 
@@ -125,7 +124,7 @@ def _singleton(name):
     return _SINGLETONS[name]
 
 
-SbpLike = Union[Sbp, str]
+SbpLike = Sbp | str
 """An SBP or its short string: ``"S(0)"``, ``"S(-1)"``, ``"B"``, ``"P"``, ``"Pmax"``, ``"Pmin"``."""
 
 _SPLIT_RE = re.compile(r"^\s*S\s*\(\s*(-?\d+)\s*\)\s*$")

@@ -99,7 +99,9 @@ def addends_for(value: np.ndarray, hierarchy, nd, seed: int = 1) -> list[np.ndar
 def expected_locals(value: np.ndarray, hierarchy, nd, seed: int = 1) -> list[np.ndarray]:
     """What every device holds (placement order); for P, that device's addend of ``value``."""
     adds = addends_for(value, hierarchy, nd, seed) if partial_axes(nd) else [value]
-    return [local_slice(adds[addend_id(hierarchy, nd, c)], hierarchy, nd, c) for c in coords(hierarchy)]
+    return [
+        local_slice(adds[addend_id(hierarchy, nd, c)], hierarchy, nd, c) for c in coords(hierarchy)
+    ]
 
 
 def global_from_oracle(value: np.ndarray, plc, nd, seed: int = 1):
@@ -132,10 +134,14 @@ def check_global(x, value: np.ndarray, nd) -> None:
     assert len(locs) == len(cs), (len(locs), len(cs))
     for c, loc in zip(cs, locs):
         want = local_shape(value.shape, h, nd, c)
-        assert loc.shape == want, f"device {c}: local shape {loc.shape}, balanced splitter gives {want}"
+        assert loc.shape == want, (
+            f"device {c}: local shape {loc.shape}, balanced splitter gives {want}"
+        )
     if "P" not in nd:
         for c, loc in zip(cs, locs):
-            assert np.array_equal(loc, local_slice(value, h, nd, c)), f"device {c}: wrong block for {nd}"
+            assert np.array_equal(loc, local_slice(value, h, nd, c)), (
+                f"device {c}: wrong block for {nd}"
+            )
         return
     # partial: group devices by their coordinates on the non-partial axes and sum the group
     pax = partial_axes(nd)
@@ -147,7 +153,10 @@ def check_global(x, value: np.ndarray, nd) -> None:
         assert len(members) == n_addends(h, nd)
         c = next(cc for cc in cs if tuple(v for a, v in enumerate(cc) if a not in pax) == key)
         np.testing.assert_allclose(
-            np.sum(members, axis=0), local_slice(value, h, nd, c), rtol=1e-6, atol=1e-5,
+            np.sum(members, axis=0),
+            local_slice(value, h, nd, c),
+            rtol=1e-6,
+            atol=1e-5,
             err_msg=f"partial addends of group {key} do not sum to the oracle's block for {nd}",
         )
 

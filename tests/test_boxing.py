@@ -58,7 +58,9 @@ def _all_cases():
         pairs = [(s, d) for s in nds for d in nds]
         for sname in SHAPES:
             if hname == "2x2x2":
-                chosen = sample(pairs, 0.10, f"full-{hname}-{sname}")  # "sampled set" even in full mode
+                chosen = sample(
+                    pairs, 0.10, f"full-{hname}-{sname}"
+                )  # "sampled set" even in full mode
                 default = set(sample(chosen, 0.06, f"default-{hname}-{sname}"))
             elif sname == "even" and hname in ("4", "2x2"):
                 chosen, default = pairs, set(pairs)
@@ -117,7 +119,10 @@ def test_grid_covers_the_issue():
     seen = {(h, s) for h, s, _, _ in DEFAULT_CASES}
     assert seen == {(h, s) for h in HIERARCHIES for s in SHAPES}
     for h in ("4", "2x2"):
-        assert sum(1 for c in DEFAULT_CASES if c[:2] == (h, "even")) == len(nd_sbps(len(HIERARCHIES[h]))) ** 2
+        assert (
+            sum(1 for c in DEFAULT_CASES if c[:2] == (h, "even"))
+            == len(nd_sbps(len(HIERARCHIES[h]))) ** 2
+        )
     kinds = {(s[0], d[0]) for h, _, s, d in DEFAULT_CASES if h == "2x4"}
     assert {("S(0)", "P"), ("P", "S(1)"), ("P", "B"), ("S(1)", "S(0)")} <= kinds
     assert len(SLOW_CASES) > len(DEFAULT_CASES)
@@ -138,14 +143,19 @@ def test_partial_sources_have_distinct_addends():
 @pytest.mark.parametrize("dtype", [np.int32, np.float16, jnp.bfloat16, np.uint8])
 @pytest.mark.parametrize(
     "src,dst",
-    [(("S(0)", "S(1)"), ("P", "B")), (("P", "S(1)"), ("S(1)", "S(0)")), (("B", "P"), ("S(0)", "S(0)"))],
+    [
+        (("S(0)", "S(1)"), ("P", "B")),
+        (("P", "S(1)"), ("S(1)", "S(0)")),
+        (("B", "P"), ("S(0)", "S(0)")),
+    ],
 )
 def test_boxing_other_dtypes(dtype, src, dst):
     value = make_value((13, 17), seed=5).astype(np.float32)
     if dtype == np.uint8:
         value = np.abs(value)
     value = value.astype(dtype)
-    x = global_from_oracle(value, placement_of("2x2"), src, seed=0 if dtype != np.uint8 else None)
+    # uint8 addends wrap around, and so does psum: the sum is still exact
+    x = global_from_oracle(value, placement_of("2x2"), src, seed=0)
     y = x.to_global(sbp=dst)
     assert y.dtype == x.dtype == np.dtype(dtype)
     check_global(y, value, dst)
@@ -173,7 +183,13 @@ NONE = {}
 
 def _counts(x, dst, **kw):
     got = count_collectives(lambda t: t.to_global(sbp=dst, **kw), x)
-    assert set(got) == {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"}
+    assert set(got) == {
+        "all-gather",
+        "all-reduce",
+        "reduce-scatter",
+        "all-to-all",
+        "collective-permute",
+    }
     return {k: v for k, v in got.items() if v}
 
 
@@ -195,7 +211,9 @@ ONE_D_COUNTS = [
 
 @pytest.mark.parametrize("hname", ["4", "8"])
 @pytest.mark.parametrize("shape", [(16, 8), (25, 33), (3, 5)], ids=str)
-@pytest.mark.parametrize("src,dst,want", ONE_D_COUNTS, ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "src,dst,want", ONE_D_COUNTS, ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_collectives_1d(hname, shape, src, dst, want):
     x = jsbp.zeros(shape, placement=placement_of(hname), sbp=src)
     assert _counts(x, dst) == want
@@ -233,7 +251,9 @@ TWO_D_EXACT = [
 
 @pytest.mark.parametrize("hname", ["2x2", "2x4"])
 @pytest.mark.parametrize("shape", [(16, 16), (25, 33)], ids=str)
-@pytest.mark.parametrize("src,dst,want", TWO_D_EXACT, ids=lambda v: ",".join(v) if isinstance(v, tuple) else "")
+@pytest.mark.parametrize(
+    "src,dst,want", TWO_D_EXACT, ids=lambda v: ",".join(v) if isinstance(v, tuple) else ""
+)
 def test_collectives_2d_exact(hname, shape, src, dst, want):
     x = jsbp.zeros(shape, placement=placement_of(hname), sbp=src)
     assert _counts(x, dst) == want
@@ -289,7 +309,13 @@ def test_planner_at_most_one_collective_per_changed_axis(hname, shape):
         assert (len(moves) == 0) == (src == dst)
         # every move really is one of the table's moves
         for m in moves:
-            assert m.collective in (None, "all-gather", "all-reduce", "reduce-scatter", "all-to-all")
+            assert m.collective in (
+                None,
+                "all-gather",
+                "all-reduce",
+                "reduce-scatter",
+                "all-to-all",
+            )
 
 
 @pytest.mark.parametrize("hname", ["2x4", "2x2x2"])
@@ -333,7 +359,9 @@ def _grad_pairs():
     return out
 
 
-@pytest.mark.parametrize("hname,src,dst", _grad_pairs(), ids=lambda v: ",".join(v) if isinstance(v, tuple) else v)
+@pytest.mark.parametrize(
+    "hname,src,dst", _grad_pairs(), ids=lambda v: ",".join(v) if isinstance(v, tuple) else v
+)
 def test_grad_through_boxing(hname, src, dst):
     x = jsbp.tensor(_GV, placement=placement_of(hname), sbp=src)
 
@@ -349,7 +377,12 @@ def test_grad_through_boxing(hname, src, dst):
 
 
 @pytest.mark.parametrize(
-    "src,mid", [(("P", "S(1)"), ("S(0)", "B")), (("S(0)", "S(1)"), ("S(1)", "P")), (("B", "P"), ("P", "S(0)"))]
+    "src,mid",
+    [
+        (("P", "S(1)"), ("S(0)", "B")),
+        (("S(0)", "S(1)"), ("S(1)", "P")),
+        (("B", "P"), ("P", "S(0)")),
+    ],
 )
 def test_grad_chain_of_boxings_uneven_2x4(src, mid):
     x = jsbp.tensor(_GV, placement=placement_of("2x4"), sbp=src)
@@ -427,7 +460,12 @@ CROSS = [
     ([[0, 1], [2, 3]], ("S(1)", "S(0)"), [6], ("S(0)",)),
     ([7], ("P",), [[0, 1], [2, 3]], ("P", "P")),
     # 2-d <-> 3-d
-    ([[0, 1, 2, 3], [4, 5, 6, 7]], ("S(0)", "S(1)"), [[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ("S(1)", "P", "S(0)")),
+    (
+        [[0, 1, 2, 3], [4, 5, 6, 7]],
+        ("S(0)", "S(1)"),
+        [[[0, 1], [2, 3]], [[4, 5], [6, 7]]],
+        ("S(1)", "P", "S(0)"),
+    ),
 ]
 
 

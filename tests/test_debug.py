@@ -33,7 +33,9 @@ def test_parse_plain_instructions():
   ROOT %reduce-scatter = f32[2]{0} reduce-scatter(f32[8]{0} %all-reduce.1), dimensions={0}, to_apply=%add
   %cp = s32[] collective-permute(s32[] %i), source_target_pairs={{0,1},{1,0}}
 """
-    assert collectives_in_hlo(hlo) == _with(all_gather=1, all_reduce=1, reduce_scatter=1, collective_permute=1)
+    assert collectives_in_hlo(hlo) == _with(
+        all_gather=1, all_reduce=1, reduce_scatter=1, collective_permute=1
+    )
 
 
 def test_parse_tuple_shaped_all_to_all_with_index_comments():

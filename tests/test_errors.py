@@ -99,7 +99,15 @@ def test_ragged_ranks():
         jsbp.placement("cpu", [[0, 1], 2])
 
 
-@pytest.mark.parametrize("ranks,shown", [([0, 1.0], "1.0 (float)"), (["0", "1"], "'0' (str)"), ([True, False], "True (bool)"), ([0, None], "None")])
+@pytest.mark.parametrize(
+    "ranks,shown",
+    [
+        ([0, 1.0], "1.0 (float)"),
+        (["0", "1"], "'0' (str)"),
+        ([True, False], "True (bool)"),
+        ([0, None], "None"),
+    ],
+)
 def test_non_integer_ranks(ranks, shown):
     with raises(jsbp.PlacementError, "integer JAX device ids", shown):
         jsbp.placement("cpu", ranks)
@@ -141,7 +149,12 @@ def test_device_type_not_on_this_machine():
 
 @pytest.mark.parametrize("dim", [2, 5, -3])
 def test_split_dim_out_of_range(dim):
-    with raises(jsbp.SbpError, f"split dim {dim} is out of range", "(4, 4)", "valid split dims are [-2, -1, 0, 1]"):
+    with raises(
+        jsbp.SbpError,
+        f"split dim {dim} is out of range",
+        "(4, 4)",
+        "valid split dims are [-2, -1, 0, 1]",
+    ):
         jsbp.zeros(4, 4, placement=P4, sbp=sbp.split(dim))
 
 
@@ -160,7 +173,9 @@ def test_split_dim_out_of_range_when_boxing():
 
 @pytest.mark.parametrize("nd,n", [("S(0)", 1), (("S(0)", "B", "B"), 3), ((), 0)])
 def test_nd_sbp_length_differs_from_placement(nd, n):
-    with raises(jsbp.SbpError, f"has {n} entr", "placement has 2 axes", "one SBP per placement axis"):
+    with raises(
+        jsbp.SbpError, f"has {n} entr", "placement has 2 axes", "one SBP per placement axis"
+    ):
         jsbp.zeros(4, 4, placement=Q22, sbp=nd)
 
 
@@ -179,9 +194,13 @@ def test_moving_to_another_rank_without_sbp():
 # -- non-global objects ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("obj", [np.ones(3), [1, 2], jax.numpy.ones(2)], ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize(
+    "obj", [np.ones(3), [1, 2], jax.numpy.ones(2)], ids=lambda o: type(o).__name__
+)
 def test_module_to_global_on_non_global_without_layout(obj):
-    with raises(jsbp.SbpError, "to_global needs a jsbp GlobalTensor", type(obj).__name__, "jsbp.tensor("):
+    with raises(
+        jsbp.SbpError, "to_global needs a jsbp GlobalTensor", type(obj).__name__, "jsbp.tensor("
+    ):
         jsbp.to_global(obj)
 
 
@@ -223,7 +242,9 @@ def test_missing_sbp():
 # -- factories -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape,shown", [((-1, 3), "(-1, 3)"), ((2.5,), "(2.5,)"), ((2, "a"), "(2, 'a')")])
+@pytest.mark.parametrize(
+    "shape,shown", [((-1, 3), "(-1, 3)"), ((2.5,), "(2.5,)"), ((2, "a"), "(2, 'a')")]
+)
 def test_bad_shapes(shape, shown):
     with raises(jsbp.SbpError, "zeros", "non-negative ints", shown):
         jsbp.zeros(*shape, placement=P4, sbp="B")
@@ -251,7 +272,9 @@ def test_tensor_from_objects():
 
 
 def test_from_local_wrong_count():
-    with raises(jsbp.SbpError, "got 3 local arrays", "owns 4 device(s)", "one array per owned device"):
+    with raises(
+        jsbp.SbpError, "got 3 local arrays", "owns 4 device(s)", "one array per owned device"
+    ):
         jsbp.from_local([np.ones((2, 2))] * 3, placement=P4, sbp="S(0)")
 
 
@@ -303,5 +326,7 @@ def test_from_local_placement_of_wrong_type():
 def test_two_placements_in_one_op_name_both():
     a = jsbp.zeros(4, placement=P4, sbp="B")
     b = jsbp.zeros(4, placement=jsbp.placement("cpu", [4, 5, 6, 7]), sbp="B")
-    with raises(jsbp.PlacementError, "ranks=[0, 1, 2, 3]", "ranks=[4, 5, 6, 7]", "to_global(placement="):
+    with raises(
+        jsbp.PlacementError, "ranks=[0, 1, 2, 3]", "ranks=[4, 5, 6, 7]", "to_global(placement="
+    ):
         a + b

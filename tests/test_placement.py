@@ -47,7 +47,9 @@ def test_2d_properties_with_axis_names():
 def test_ranks_forms(ranks, hierarchy):
     p = jsbp.placement("cpu", ranks)
     assert p.hierarchy == hierarchy
-    assert p.ranks.tolist() == np.asarray(list(ranks) if isinstance(ranks, range) else ranks).tolist()
+    assert (
+        p.ranks.tolist() == np.asarray(list(ranks) if isinstance(ranks, range) else ranks).tolist()
+    )
     assert p.size == int(np.prod(hierarchy))
 
 
@@ -127,7 +129,13 @@ def test_cuda_is_a_synonym_of_gpu():
 def test_repr_and_str():
     q = jsbp.placement("cpu", [[0, 1], [2, 3]], axis_names=("dp", "tp"))
     r = repr(q)
-    assert r.startswith("placement(") and "'cpu'" in r and "[[0, 1], [2, 3]]" in r and "dp" in r and "tp" in r
+    assert (
+        r.startswith("placement(")
+        and "'cpu'" in r
+        and "[[0, 1], [2, 3]]" in r
+        and "dp" in r
+        and "tp" in r
+    )
     s = str(q)
     assert "cpu" in s and "2x2" in s and "dp" in s
     p = jsbp.placement("cpu", [0, 1, 2])

@@ -63,8 +63,19 @@ def test_kinds_of_objects():
     assert isinstance(jsbp.placement, type)
     assert isinstance(jsbp.GlobalTensor, type)
     assert issubclass(jsbp.SbpError, ValueError) and issubclass(jsbp.PlacementError, ValueError)
-    for f in (jsbp.tensor, jsbp.zeros, jsbp.ones, jsbp.full, jsbp.arange, jsbp.randn, jsbp.rand,
-              jsbp.from_local, jsbp.debug.count_collectives, jsbp.sbp.split, jsbp.placement.all):
+    for f in (
+        jsbp.tensor,
+        jsbp.zeros,
+        jsbp.ones,
+        jsbp.full,
+        jsbp.arange,
+        jsbp.randn,
+        jsbp.rand,
+        jsbp.from_local,
+        jsbp.debug.count_collectives,
+        jsbp.sbp.split,
+        jsbp.placement.all,
+    ):
         assert callable(f)
     assert str(jsbp.sbp.broadcast) == "B" and str(jsbp.sbp.partial_sum) == "P"
     assert str(jsbp.sbp.split(0)) == "S(0)"
@@ -73,7 +84,17 @@ def test_kinds_of_objects():
 def test_global_tensor_api():
     for attr in ("shape", "dtype", "ndim", "placement", "sbp", "to_local", "numpy", "to_global"):
         assert hasattr(jsbp.GlobalTensor, attr), attr
-    for attr in ("type", "ranks", "hierarchy", "ndim", "size", "axis_names", "mesh", "devices", "all"):
+    for attr in (
+        "type",
+        "ranks",
+        "hierarchy",
+        "ndim",
+        "size",
+        "axis_names",
+        "mesh",
+        "devices",
+        "all",
+    ):
         assert hasattr(jsbp.placement, attr), attr
 
 

@@ -18,8 +18,16 @@ def test_split_fields_and_flags():
     s = sbp.split(1)
     assert s.dim == 1
     assert (s.is_split, s.is_broadcast, s.is_partial) == (True, False, False)
-    assert (sbp.broadcast.is_split, sbp.broadcast.is_broadcast, sbp.broadcast.is_partial) == (False, True, False)
-    assert (sbp.partial_sum.is_split, sbp.partial_sum.is_broadcast, sbp.partial_sum.is_partial) == (False, False, True)
+    assert (sbp.broadcast.is_split, sbp.broadcast.is_broadcast, sbp.broadcast.is_partial) == (
+        False,
+        True,
+        False,
+    )
+    assert (sbp.partial_sum.is_split, sbp.partial_sum.is_broadcast, sbp.partial_sum.is_partial) == (
+        False,
+        False,
+        True,
+    )
 
 
 def test_split_accepts_numpy_integers():
@@ -66,7 +74,9 @@ def test_frozen():
     assert s.dim == 0
 
 
-@pytest.mark.parametrize("value", [sbp.split(0), sbp.split(-2), sbp.broadcast, sbp.partial_sum, sbp.partial_max])
+@pytest.mark.parametrize(
+    "value", [sbp.split(0), sbp.split(-2), sbp.broadcast, sbp.partial_sum, sbp.partial_max]
+)
 def test_pickle_and_copy_roundtrip(value):
     back = pickle.loads(pickle.dumps(value))
     assert back == value and hash(back) == hash(value) and str(back) == str(value)
@@ -142,7 +152,14 @@ def _p(ranks, names=None):
 
 @pytest.mark.parametrize(
     "form",
-    ["(S(0), B)", ("S(0)", "B"), [sbp.split(0), sbp.broadcast], ("S(0)", sbp.broadcast), "S(0), B", ("S(-2)", "B")],
+    [
+        "(S(0), B)",
+        ("S(0)", "B"),
+        [sbp.split(0), sbp.broadcast],
+        ("S(0)", sbp.broadcast),
+        "S(0), B",
+        ("S(-2)", "B"),
+    ],
     ids=str,
 )
 def test_every_form_gives_the_same_tensor(form):
@@ -163,7 +180,9 @@ def test_single_sbp_for_1d_placement_in_every_form():
         assert [a.shape for a in x.to_local()] == [(2, 3), (2, 2), (2, 2)]
 
 
-@pytest.mark.parametrize("ndim,d,want", [(1, -1, 0), (2, -1, 1), (2, -2, 0), (3, -1, 2), (3, -3, 0), (3, 1, 1)])
+@pytest.mark.parametrize(
+    "ndim,d,want", [(1, -1, 0), (2, -1, 1), (2, -2, 0), (3, -1, 2), (3, -3, 0), (3, 1, 1)]
+)
 def test_negative_dims_are_normalised_against_the_tensor(ndim, d, want):
     shape = (4, 6, 8)[:ndim]
     x = jsbp.zeros(shape, placement=_p([0, 1]), sbp=sbp.split(d))

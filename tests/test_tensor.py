@@ -116,8 +116,14 @@ def test_ones_partial_locals_sum_to_one():
 
 @pytest.mark.parametrize(
     "value,dtype,want_dtype",
-    [(7, None, np.int32), (2.5, None, np.float32), (True, None, np.bool_), (3, jnp.float32, np.float32),
-     (np.float32(1.5), None, np.float32), (np.int8(4), None, np.int8)],
+    [
+        (7, None, np.int32),
+        (2.5, None, np.float32),
+        (True, None, np.bool_),
+        (3, jnp.float32, np.float32),
+        (np.float32(1.5), None, np.float32),
+        (np.int8(4), None, np.int8),
+    ],
 )
 def test_full(value, dtype, want_dtype):
     x = jsbp.full((5, 3), value, placement=Q22, sbp=("S(0)", "B"), dtype=dtype)
@@ -143,13 +149,21 @@ def test_arange_dtype():
 # -- random ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fn,ref", [(jsbp.randn, jax.random.normal), (jsbp.rand, jax.random.uniform)])
+@pytest.mark.parametrize(
+    "fn,ref", [(jsbp.randn, jax.random.normal), (jsbp.rand, jax.random.uniform)]
+)
 def test_random_value_depends_on_key_and_shape_only(fn, ref):
     key = jax.random.key(42)
     want = np.asarray(ref(key, (13, 17)))
     layouts = [
-        (P4, "S(0)"), (P4, "B"), (P4, "P"), (P8, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("P", "B")),
-        (Q24, ("S(1)", "S(0)")), (jsbp.placement("cpu", [5]), "B"),
+        (P4, "S(0)"),
+        (P4, "B"),
+        (P4, "P"),
+        (P8, "S(1)"),
+        (Q22, ("S(0)", "S(1)")),
+        (Q22, ("P", "B")),
+        (Q24, ("S(1)", "S(0)")),
+        (jsbp.placement("cpu", [5]), "B"),
     ]
     for plc, nd in layouts:
         x = fn(13, 17, key=key, placement=plc, sbp=nd)
@@ -315,6 +329,8 @@ def test_zero_size_tensors():
     for nd in ("S(0)", "S(1)", "B", "P"):
         x = jsbp.zeros(8, 0, 4, placement=P4, sbp=nd)
         assert x.shape == (8, 0, 4) and x.numpy().shape == (8, 0, 4)
-        assert [a.shape for a in x.to_local()] == [local_shape((8, 0, 4), (4,), (nd,), (i,)) for i in range(4)]
+        assert [a.shape for a in x.to_local()] == [
+            local_shape((8, 0, 4), (4,), (nd,), (i,)) for i in range(4)
+        ]
         r = jsbp.randn(8, 0, 4, key=0, placement=P4, sbp=nd)
         assert r.numpy().shape == (8, 0, 4)
