@@ -1,0 +1,357 @@
+"""One pipeline stage: a piece of an NNX model on its own sub-placement, run as ``jsbp.jit`` programs.
+
+Per stage there are three consistent-view programs, each compiled once on the stage's placement
+(so data and tensor parallelism inside the stage come from the layouts of its ``Strategy``):
+
+* **forward** ``(params, rest, x[, targets]) -> (y, residuals)``: ``jax.vjp`` of the stage; the
+  output is the activation for the next stage (the micro-batch loss on the last stage) and the
+  *residuals* the backward needs — only those that are new buffers: residuals that are the
+  stage's own parameters or its input are passed again to the backward instead of being copied;
+* **backward** ``(params, rest, x, residuals, dy, gsum) -> (gsum + dparams, dx)``: the stored vjp
+  applied to the cotangent; ``dx`` goes back to the previous stage and the parameter gradient is
+  added to the running sum inside the program, in its own layout (``P`` under data parallelism:
+  nothing is reduced per micro-batch). The first micro-batch runs a variant without a sum;
+* **update** ``(state, grads) -> state``: the summed gradient is boxed once to the strategy's
+  gradient layout (one all-reduce per parameter under data parallelism) and the stage's
+  ``nnx.Optimizer`` applies one optax update. Every state leaf keeps its layout.
+
+With ``remat=True`` the forward keeps nothing but the stage's input and the backward recomputes
+the forward first (GPipe's re-materialisation): less memory, one more forward per micro-batch.
+
+Activations and their gradients move between stages by ``to_global(placement=...)`` (boxing
+across placements): between grids of the same shape the nd-sbp is kept and each device sends its
+block to its counterpart; otherwise the value arrives in the receiving stage's batch layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from .._errors import SbpError
+from .._jit import jit as sbp_jit
+from .._tensor import GlobalTensor, tensor, to_global
+from ..flax import Strategy, leaf_layouts, shard, use_strategy
+from ..flax import gather as gather_state
+
+__all__ = ["Stage", "as_module", "Stash"]
+
+
+def _is_global(x) -> bool:
+    return isinstance(x, GlobalTensor)
+
+
+def _leaves(tree) -> list:
+    return jax.tree_util.tree_leaves(tree, is_leaf=_is_global)
+
+
+def as_module(spec, index: int) -> nnx.Module:
+    """A stage given as one NNX module, or as a list of modules applied in order (a layer range)."""
+    if isinstance(spec, nnx.Module):
+        return spec
+    if isinstance(spec, (list, tuple)) and spec and all(isinstance(m, nnx.Module) for m in spec):
+        return nnx.Sequential(*spec)
+    raise SbpError(
+        f"pipeline: stage {index} is {type(spec).__name__} ({spec!r:.80}); give each stage as an nnx.Module "
+        "or a non-empty list of nnx.Modules (a range of layers, applied in order)."
+    )
+
+
+def local_nbytes(tree) -> int:
+    """Bytes the global tensors of ``tree`` take on the fullest device of their placement."""
+    total = 0
+    for x in _leaves(tree):
+        if _is_global(x):
+            total += math.prod(x.layout.local_shape) * np.dtype(x.dtype).itemsize
+    return total
+
+
+@dataclasses.dataclass
+class Stash:
+    """What a stage keeps between a micro-batch's forward and its backward (its live activations)."""
+
+    microbatch: int
+    x: Any  # the stage input, when the backward reads it (None otherwise)
+    t: Any  # the targets, on the last stage, when the backward reads them
+    residuals: list  # new buffers saved by the forward
+    program: Any  # the _Programs entry that made it (its backward knows how to read the stash)
+
+    def nbytes(self) -> int:
+        return local_nbytes((self.x, self.t, self.residuals))
+
+
+@dataclasses.dataclass
+class _Programs:
+    """The forward and backward programs of a stage for one input signature."""
+
+    fwd: Any
+    bwd: Any
+    meta: dict
+
+
+def _map_state(state, fn):
+    flat = list(nnx.to_flat_state(state))
+    return nnx.from_flat_state(
+        [(path, var.replace(fn(path, var.get_value()))) for path, var in flat]
+    )
+
+
+class Stage:
+    """Stage ``index`` of ``count``: its sharded module and optimizer, its programs, its gradient sum."""
+
+    def __init__(
+        self,
+        index: int,
+        count: int,
+        module: nnx.Module,
+        strategy: Strategy,
+        tx,
+        loss_fn: Callable,
+        *,
+        remat: bool = False,
+    ):
+        self.index, self.count = index, count
+        self.first, self.last = index == 0, index == count - 1
+        self.user_module = module
+        self.strategy = strategy
+        self.placement = strategy.placement
+        self.loss_fn = loss_fn
+        self.remat = remat
+        optimizer = nnx.Optimizer(module, tx, wrt=nnx.Param)
+        self.module, self.optimizer = shard((module, optimizer), strategy)
+        self._graphdef = nnx.graphdef(self.module)
+        self._programs: dict = {}
+        self._update = None
+        self._grads = None
+        self._state = None
+        self._y_sbp = None  # nd-sbp of this stage's output (where gradients coming back are put)
+
+    # -- per step --------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        _, params, rest = nnx.split(self.module, nnx.Param, ...)
+        self._state = (params, rest)
+        self._grads = None
+
+    def put(self, tree):
+        """A host micro-batch (or a global one) onto this stage, in the strategy's batch layout."""
+
+        def one(x):
+            if _is_global(x):
+                return self._box(x, self.strategy.batch_sbp(x.ndim))
+            x = np.asarray(x)
+            return tensor(x, placement=self.placement, sbp=self.strategy.batch_sbp(x.ndim))
+
+        return jax.tree_util.tree_map(one, tree, is_leaf=_is_global)
+
+    def _box(self, x: GlobalTensor, fallback):
+        """Move ``x`` here: keep its nd-sbp between same-shaped grids (a block-to-block copy)."""
+        if x.placement == self.placement:
+            return x
+        same = x.placement.hierarchy == self.placement.hierarchy
+        return x.to_global(placement=self.placement, sbp=x.sbp if same else fallback)
+
+    def receive(self, y):
+        """An activation from the previous stage."""
+        return jax.tree_util.tree_map(
+            lambda v: self._box(v, self.strategy.batch_sbp(v.ndim)) if _is_global(v) else v,
+            y,
+            is_leaf=_is_global,
+        )
+
+    def receive_grad(self, dy):
+        """A gradient from the next stage, w.r.t. this stage's output."""
+        sbps = iter(self._y_sbp or ())
+        return jax.tree_util.tree_map(
+            lambda v: (
+                self._box(v, next(sbps, None) or self.strategy.batch_sbp(v.ndim))
+                if _is_global(v)
+                else v
+            ),
+            dy,
+            is_leaf=_is_global,
+        )
+
+    # -- programs --------------------------------------------------------------------------------
+    def _apply(self, params, rest, x, t):
+        m = nnx.merge(self._graphdef, params, rest)
+        y = m(x)
+        if self.last:
+            return self.loss_fn(y) if t is None else self.loss_fn(y, t)
+        return y
+
+    def _vjp(self, params, rest, x, t):
+        if self.first:  # the data is not differentiated (it may be integer tokens)
+            return jax.vjp(lambda p: self._apply(p, rest, x, t), params)
+        return jax.vjp(lambda p, x_: self._apply(p, rest, x_, t), params, x)
+
+    def _make_programs(self) -> _Programs:
+        meta: dict = {}
+        strategy = self.strategy
+
+        def fwd(params, rest, x, t):
+            with use_strategy(strategy):
+                y, vjp = self._vjp(params, rest, x, t)
+            if self.remat:
+                meta.update(x=True, t=True)
+                return y, []
+            leaves, tree = jax.tree_util.tree_flatten(vjp)
+            known: dict[int, tuple[str, int]] = {}
+            for name, obj in (("p", params), ("s", rest), ("x", x), ("t", t)):
+                for i, leaf in enumerate(jax.tree_util.tree_leaves(obj)):
+                    known.setdefault(id(leaf), (name, i))
+            refs, residuals = [], []
+            for leaf in leaves:
+                if id(leaf) in known:
+                    refs.append(known[id(leaf)])
+                else:
+                    refs.append(("r", len(residuals)))
+                    residuals.append(leaf)
+            meta.update(
+                tree=tree,
+                refs=refs,
+                x=any(k == "x" for k, _ in refs),
+                t=any(k == "t" for k, _ in refs),
+            )
+            return y, residuals
+
+        def bwd(params, rest, x, t, residuals, dy, gsum):
+            with use_strategy(strategy):
+                if self.remat:
+                    _, vjp = self._vjp(params, rest, x, t)
+                else:
+                    src = {
+                        "p": jax.tree_util.tree_leaves(params),
+                        "s": jax.tree_util.tree_leaves(rest),
+                        "x": jax.tree_util.tree_leaves(x),
+                        "t": jax.tree_util.tree_leaves(t),
+                        "r": residuals,
+                    }
+                    vjp = jax.tree_util.tree_unflatten(
+                        meta["tree"], [src[k][i] for k, i in meta["refs"]]
+                    )
+                cts = vjp(dy)
+            dparams = (
+                cts[0] if gsum is None else jax.tree_util.tree_map(lambda a, b: a + b, gsum, cts[0])
+            )
+            return dparams, (None if self.first else cts[1])
+
+        return _Programs(sbp_jit(fwd), sbp_jit(bwd), meta)
+
+    def _programs_for(self, x, t) -> _Programs:
+        sig = tuple(
+            (
+                jax.tree_util.tree_structure(v, is_leaf=_is_global),
+                tuple(
+                    (a.layout, np.dtype(a.dtype))
+                    if _is_global(a)
+                    else (np.shape(a), np.result_type(a))
+                    for a in _leaves(v)
+                ),
+            )
+            for v in (x, t)
+        )
+        prog = self._programs.get(sig)
+        if prog is None:
+            prog = self._programs[sig] = self._make_programs()
+        return prog
+
+    # -- actions -----------------------------------------------------------------------------
+    def forward(self, microbatch: int, x, t=None):
+        """Run the forward of one micro-batch; returns ``(y, stash)`` (``y`` is the loss on the last
+        stage)."""
+        params, rest = self._state
+        prog = self._programs_for(x, t)
+        y, residuals = prog.fwd(params, rest, x, t)
+        if not self.last and self._y_sbp is None:
+            self._y_sbp = [v.sbp for v in _leaves(y) if _is_global(v)]
+        keep_x = x if prog.meta.get("x") else None
+        keep_t = t if prog.meta.get("t") else None
+        return y, Stash(microbatch, keep_x, keep_t, residuals, prog)
+
+    def backward(self, stash: Stash, dy):
+        """Run the backward of one micro-batch from its stash; adds its parameter gradient to the
+        running sum and returns the gradient w.r.t. the stage input (``None`` on the first stage)."""
+        params, rest = self._state
+        self._grads, dx = stash.program.bwd(
+            params, rest, stash.x, stash.t, stash.residuals, dy, self._grads
+        )
+        return dx
+
+    def update(self) -> None:
+        """One optimizer update with the gradients summed over the step's micro-batches."""
+        if self._grads is None:
+            raise SbpError(
+                f"pipeline: stage {self.index} has no gradient to apply; run every micro-batch's backward first."
+            )
+        fn, state = self._update_program()
+        new_state = fn(state, self._grads)
+        nnx.update((self.module, self.optimizer), new_state)
+        self._grads = None
+        self._state = None
+
+    def _update_program(self):
+        gd, state = nnx.split((self.module, self.optimizer))
+        if self._update is None:
+            lays = leaf_layouts(list(nnx.to_flat_state(state)), self.strategy)
+            out_sbp = [x.sbp if _is_global(x) else None for x in _leaves(state)]
+            strategy = self.strategy
+
+            def upd(state, grads):
+                with use_strategy(strategy):
+                    model, opt = nnx.merge(gd, state)
+                    grads = _map_state(
+                        grads, lambda path, g: to_global(g, sbp=lays[(0,) + path].grad)
+                    )
+                    opt.update(model, grads)
+                    return nnx.state((model, opt))
+
+            self._update = sbp_jit(upd, out_sbp=out_sbp)
+        return self._update, state
+
+    def count_collectives(self, x, t, dy_of) -> tuple[dict, Any]:
+        """Collectives of this stage's forward, backward (the variant that adds to the running sum)
+        and update programs for one micro-batch; runs the forward and one backward to get real
+        arguments, leaves the parameters and the gradient sum as they were.
+
+        ``dy_of(y)``: the cotangent of the forward's output. Returns ``(counts, dx)``.
+        """
+        from ..debug import count_collectives
+
+        params, rest = self._state
+        prog = self._programs_for(x, t)
+        counts = {"forward": count_collectives(prog.fwd, params, rest, x, t)}
+        y, stash = self.forward(0, x, t)
+        dy = dy_of(y)
+        saved = self._grads
+        self._grads = None
+        dx = self.backward(stash, dy)
+        counts["backward"] = count_collectives(
+            prog.bwd, params, rest, stash.x, stash.t, stash.residuals, dy, self._grads
+        )
+        fn, state = self._update_program()
+        counts["update"] = count_collectives(fn, state, self._grads)
+        self._grads = saved
+        return counts, (y, dx)
+
+    # -- state -------------------------------------------------------------------------------
+    def gathered(self) -> nnx.Module:
+        """The stage's module with plain (gathered) values."""
+        return gather_state(self.module)
+
+    def write_back(self) -> None:
+        """Copy the trained values into the module the user gave (and so into their model)."""
+        nnx.update(self.user_module, nnx.state(self.gathered()))
+
+    def __repr__(self):
+        return f"Stage({self.index}, placement={self.placement!r})"
+
+
+def loss_seed(loss: GlobalTensor, microbatches: int):
+    """The cotangent of one micro-batch loss: ``1 / m`` (the batch loss is the micro-batch mean)."""
+    return np.asarray(1.0 / microbatches, dtype=np.dtype(loss.dtype))
