@@ -330,7 +330,7 @@ def _box_raw(phys, src: Layout, dst: Layout):
 def _cross_placement(phys, src: Layout, dst: Layout):
     if isinstance(phys, jax.core.Tracer):
         raise SbpError(
-            f"to_global: moving a tensor of {src.describe()} to placement {dst.placement} is an eager "
+            f"to_global: moving a tensor of {src.describe()} from {src.placement!r} to {dst.placement!r} is an eager "
             "operation; inside jax.jit / jsbp.jit every tensor must stay on one placement. Box across "
             "placements outside the traced function."
         )

@@ -500,3 +500,39 @@ def test_same_placement_object_equal_is_not_a_move():
     assert x.to_global(placement=_plc([0, 1])) is x
     assert x.to_global(placement=_plc([0, 1]), sbp="S(0)") is x
     assert x.to_global(sbp=[jsbp.sbp.split(-2)]) is x
+
+
+# -- boxing under jax.jit -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case",
+    sample(DEFAULT_CASES, 24 / len(DEFAULT_CASES), "jit-cases"),
+    ids=_case_id,
+)
+def test_boxing_under_jit_matches_oracle(case):
+    hname, sname, src, dst = case
+    x, value = source(hname, sname, src)
+    y = jax.jit(lambda t: t.to_global(sbp=dst))(x)
+    assert isinstance(y, jsbp.GlobalTensor)
+    check_global(y, value, dst)
+
+
+def test_grad_sbp_when_the_forward_layout_does_not_change():
+    """to_global to the same sbp with grad_sbp= is not skipped: the backward still converts."""
+    x = jsbp.tensor(_GV, placement=placement_of("2x2"), sbp=("S(0)", "P"))
+
+    def loss(t):
+        return jnp.sum(jnp.sin(t.to_global(sbp=("S(0)", "P"), grad_sbp=("B", "B")).to_jax()) * _GW)
+
+    g = jax.grad(loss)(x)
+    assert g.sbp == x.sbp
+    np.testing.assert_allclose(g.numpy(), _GREF, rtol=1e-5, atol=1e-5)
+
+
+def test_cross_placement_under_jit_is_a_clear_error():
+    x = jsbp.zeros(4, 4, placement=_plc([[0, 1], [2, 3]]), sbp=("S(0)", "B"))
+    q = _plc([[4, 5], [6, 7]])
+    with pytest.raises(jsbp.SbpError, match=r"eager operation") as e:
+        jax.jit(lambda t: t.to_global(placement=q))(x)
+    assert "ranks=[[0, 1], [2, 3]]" in str(e.value) and "ranks=[[4, 5], [6, 7]]" in str(e.value)
