@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 
 _T0 = time.perf_counter()
@@ -110,12 +111,11 @@ def main() -> int:
 
     addends = [np.full((2, 3), float(i + 1), np.float32) for i in range(4)]
     y = jsbp.from_local(addends, placement=p, sbp="P")
-    print(
-        f"  sbp P     on p: device i holds a (2, 3) addend full of i+1 -> y.numpy() =\n{y.numpy()}"
-    )
-    print(
-        f"  (the value is the sum of the addends: 1+2+3+4 = 10; {check(np.all(y.numpy() == 10))})"
-    )
+    shapes = [tuple(a.shape) for a in y.to_local()]
+    print(f"  sbp P     on p: local shapes {shapes}, device i holds an addend full of i+1")
+    print("    y.numpy() is the sum of the addends, 1+2+3+4 = 10:")
+    print(textwrap.indent(str(y.numpy()), "      "))
+    print(f"    {check(np.all(y.numpy() == 10))}")
 
     big = np.arange(25 * 10, dtype=np.float32).reshape(25, 10)
     g = jsbp.tensor(big, placement=q, sbp=("S(0)", "S(1)"))
@@ -125,7 +125,7 @@ def main() -> int:
     locs = iter(g.to_local())
     for r in range(2):
         row = "  ".join(f"{tuple(next(locs).shape)!s:<8}" for _ in range(4))
-        print(f"    dp={r}: {row}")
+        print(f"    dp={r}: {row}".rstrip())
 
     # ------------------------------------------------------------------------------------------
     section("3. Boxing: change the layout, jsbp picks the collective")
