@@ -22,6 +22,7 @@ from ._tensor import randn as randn
 from ._tensor import tensor as tensor
 from ._tensor import to_global as to_global
 from ._tensor import zeros as zeros
+from ._mirrored import all_reduce as all_reduce, mirrored as mirrored, mirrored_mean as mirrored_mean
 from ._jit import jit as jit
 from ._explain import explain as explain
 from .rules import register_sbp_rule as register_sbp_rule
@@ -29,3 +30,15 @@ from . import numpy as numpy
 from . import _ops  # noqa: F401  (eager operators on GlobalTensor)
 
 __version__ = "0.1.0"
+
+_LAZY = ("viz", "checkpoint", "flax", "pipeline", "launch")
+
+
+def __getattr__(name):
+    """``jsbp.viz`` / ``jsbp.checkpoint`` / ``jsbp.flax`` / ``jsbp.pipeline`` import on first use, so
+    ``import jsbp`` never pulls in Flax, orbax or the renderers."""
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'jsbp' has no attribute {name!r}")
