@@ -140,6 +140,7 @@ for _y in (1, 2, 3):
     case("integer_pow", lambda x, y=_y: lax.integer_pow(x, y), f32(*UNEVEN))
 case("integer_pow", lambda x: lax.integer_pow(x, 1), f32(*TINY))
 case("integer_pow", lambda x: lax.integer_pow(x, -2), f32(*EVEN, dom="pos"))
+case("integer_pow", lambda x: lax.integer_pow(x, 3), i32(*UNEVEN))
 case("reduce_precision", lambda x: lax.reduce_precision(x, 5, 10), f32(*UNEVEN))
 case("reduce_precision", lambda x: lax.reduce_precision(x, 8, 7), f32(*EVEN))
 case("population_count", lax.population_count, i32(*UNEVEN))
@@ -176,6 +177,7 @@ for _name in ("add", "sub", "mul", "max", "min"):
 for _name in ("div", "rem"):
     case(_name, getattr(lax, _name), i32(*UNEVEN), i32(*UNEVEN, dom="nonzero"))
 case("add", lax.add, i32(*UNEVEN), i32(*UNEVEN))
+case("sub", lax.sub, i32(*UNEVEN), i32(*UNEVEN))
 case("max", lax.max, i32(*UNEVEN), i32(*UNEVEN))
 case("add_any", lambda a, b: __import__("jax._src.ad_util", fromlist=["x"]).add_jaxvals_p.bind(a, b),
      f32(*UNEVEN), f32(*UNEVEN))
@@ -197,6 +199,7 @@ case("select_n", lax.select_n, i32(*UNEVEN, dom="idx:3"), f32(*UNEVEN), f32(*UNE
 case("clamp", lax.clamp, f32(dom="neg"), f32(*UNEVEN), f32(dom="pos"))
 case("clamp", lax.clamp, f32(*EVEN), f32(*EVEN), f32(*EVEN))
 case("clamp", lax.clamp, i32(), i32(*TINY), i32(dom="wide"))
+case("select_n", lax.select_n, boolean(), i32(*UNEVEN), i32(*UNEVEN))
 for _src, _dst in (("float32", "int32"), ("int32", "float32"), ("float32", "bool"), ("bool", "float32"),
                    ("float32", "float16"), ("float32", "bfloat16"), ("int32", "int8")):
     for _shape in (EVEN, UNEVEN):
@@ -988,13 +991,20 @@ def test_validator_catches_a_wrong_rule(monkeypatch):
         yield from good_exp.signatures(ctx)
         yield (jsbp.sbp.partial_sum,), (jsbp.sbp.partial_sum,)
 
+    good_log = _registry._RULES["log"]
+
+    def bad_log(ctx):  # log is not defined below 0: a partial max's pieces may be negative
+        yield from good_log.signatures(ctx)
+        yield (jsbp.sbp.partial_max,), (jsbp.sbp.partial_max,)
+
     good_sum = _registry._RULES["reduce_sum"]
+    monkeypatch.setitem(_registry._RULES, "log", dataclasses.replace(good_log, signatures=bad_log))
     monkeypatch.setitem(_registry._RULES, "exp", dataclasses.replace(good_exp, signatures=bad_exp))
     monkeypatch.setitem(_registry._RULES, "reduce_sum", dataclasses.replace(good_sum, local=None))
     plc = jsbp.placement("cpu", [0, 1, 2, 3])
     rng = np.random.default_rng(1)
     items = []
-    for c in (CASES["exp"][1], CASES["reduce_sum"][3]):  # uneven shapes
+    for c in (CASES["exp"][1], CASES["log"][1], CASES["reduce_sum"][3]):  # uneven shapes
         for s in candidate_signatures(plc, c.traced.eqn):
             it = Item(c, s)
             _prepare(plc, it, rng)
@@ -1002,6 +1012,7 @@ def test_validator_catches_a_wrong_rule(monkeypatch):
     errors = _validate(plc, items)
     bad = {(items[i].case.prim, _sig_str(items[i].sig)) for i in errors}
     assert ("exp", "((P)) -> ((P))") in bad
+    assert ("log", "((Pmax)) -> ((Pmax))") in bad
     assert ("reduce_sum", "((S(0))) -> ((P))") in bad
     good = [it for i, it in enumerate(items) if i not in errors]
     assert any(it.case.prim == "exp" for it in good) and any(it.case.prim == "reduce_sum" for it in good)

@@ -137,9 +137,18 @@ def test_reduce_over_split_dim_is_partial(shape):
 
 def test_partial_max_is_reduced_on_demand():
     xv = rand(7, 5) - 3.0
-    y, plan, coll = run(lambda a: jnp.max(a, axis=0) + 1.0, jsbp.tensor(xv, P4, "S(0)"))
+    x = jsbp.tensor(xv, P4, "S(0)")
+    # shifts and monotone functions keep the partial max: nothing is reduced yet
+    y, _, coll = run(lambda a: jnp.exp(jnp.max(a, axis=0) - 1.0), x)
+    assert y.sbp == (sbp.partial_max,) and sum(coll.values()) == 0
+    assert_close(y, np.exp(xv.max(0) - 1.0))
+    y, _, coll = run(lambda a: 2.0 - jnp.max(a, axis=0), x)  # b - max = min(b - a_i)
+    assert y.sbp == (sbp.partial_min,) and sum(coll.values()) == 0
+    assert_close(y, 2.0 - xv.max(0))
+    # a scale (sign unknown) needs the value: one all-reduce (max)
+    y, _, coll = run(lambda a: jnp.max(a, axis=0) * 2.0, x)
     assert coll["all-reduce"] == 1 and sum(coll.values()) == 1
-    assert_close(y, xv.max(0) + 1.0)
+    assert_close(y, xv.max(0) * 2.0)
 
 
 def test_vocab_parallel_embedding_and_its_gradient():

@@ -1,8 +1,20 @@
-"""Elementwise primitives: matching splits are kept; linear ops keep partial sums."""
+"""Elementwise primitives: matching splits are kept; linear ops keep partial sums; monotone ops
+keep partial maxima and minima.
+
+Why each partial signature holds, with ``a_i`` the addends (pieces) on the devices of one axis:
+
+* linear: ``f(sum a_i) = sum f(a_i)`` (neg, add/sub of two P, scaling by a B operand, select_n
+  between two P, float conversions);
+* monotone non-decreasing on the whole real line: ``f(max a_i) = max f(a_i)`` (exp, tanh, floor,
+  ...); non-increasing swaps max and min (neg). Functions that are NaN somewhere (log, sqrt) are
+  left out: a piece below the maximum may lie outside their domain;
+* shifts: ``max a_i + b = max (a_i + b)`` for a B operand ``b`` (floats only: integers wrap).
+"""
 
 from __future__ import annotations
 
-import numpy as np
+import jax
+import jax.numpy as jnp
 
 from .._sbp import Split
 from ._common import PMAX, PMIN, B, P
@@ -15,15 +27,22 @@ UNARY = (
     "square", "population_count", "clz", "reduce_precision",
     "bessel_i0e", "bessel_i1e",
 )
+MONOTONE = (  # non-decreasing and defined on every real number
+    "exp", "exp2", "expm1", "tanh", "logistic", "cbrt", "atan", "sinh", "asinh", "erf", "floor",
+    "ceil", "round", "sign", "reduce_precision",
+)
 LINEAR_UNARY = ("neg", "stop_gradient", "copy", "real", "imag", "conj")
 BINARY = (
     "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "and", "or", "xor",
     "eq", "ne", "lt", "le", "gt", "ge", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "nextafter", "igamma", "igammac", "polygamma", "zeta",
 )
+_KEEP_EXTREMES = [((PMAX,), PMAX), ((PMIN,), PMIN)]
 
 
 def _elementwise(ctx, partial_sigs=()):
+    """Every dim split alike on the full-rank operands (lower-rank ones, scalars, stay B), all B,
+    and the given partial signatures."""
     shapes = ctx.in_shapes
     rank = max((len(s) for s in shapes), default=0)
     for d in range(rank):
@@ -34,43 +53,67 @@ def _elementwise(ctx, partial_sigs=()):
 
 
 def _inexact(dtype) -> bool:
-    return bool(np.issubdtype(np.dtype(dtype), np.inexact)) or "float" in str(dtype)
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _float(dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _real(dtype) -> bool:
+    return not jnp.issubdtype(dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jax.dtypes.extended)
 
 
 @register_sbp_rule(*UNARY)
 def _unary(ctx):
-    yield from _elementwise(ctx)
-    if ctx.primitive.name == "integer_pow" and ctx.params.get("y") == 1:
-        yield (P,), (P,)
+    name = ctx.primitive.name
+    extra = []
+    if name in MONOTONE and _real(ctx.in_avals[0].dtype):
+        extra += _KEEP_EXTREMES
+    if name == "integer_pow":
+        y = ctx.params.get("y")
+        if y == 1:
+            extra += [((P,), P)] + _KEEP_EXTREMES
+        elif y % 2 == 1 and y > 0 and _float(ctx.in_avals[0].dtype):  # odd powers are monotone
+            extra += _KEEP_EXTREMES
+    yield from _elementwise(ctx, extra)
 
 
 @register_sbp_rule(*LINEAR_UNARY)
 def _linear_unary(ctx):
     extra = [((P,), P)]
-    if ctx.primitive.name in ("stop_gradient", "copy"):  # identities keep any partial
-        extra += [((PMAX,), PMAX), ((PMIN,), PMIN)]
+    name = ctx.primitive.name
+    if name in ("stop_gradient", "copy"):  # identities keep any partial
+        extra += _KEEP_EXTREMES
+    elif name == "neg":  # -max(a_i) = min(-a_i)
+        extra += [((PMAX,), PMIN), ((PMIN,), PMAX)]
     yield from _elementwise(ctx, extra)
 
 
 @register_sbp_rule("convert_element_type")
 def _convert(ctx):
-    src = np.dtype(ctx.in_avals[0].dtype)
-    dst = np.dtype(ctx.out_avals[0].dtype)
+    src, dst = ctx.in_avals[0].dtype, ctx.out_avals[0].dtype
     extra = []
-    if np.issubdtype(src, np.inexact) and np.issubdtype(dst, np.inexact):
+    if _inexact(src) and _inexact(dst):  # rounding aside, a float conversion is linear
         extra.append(((P,), P))
-    if src == dst or (np.issubdtype(src, np.floating) and np.issubdtype(dst, np.floating)):
-        extra += [((PMAX,), PMAX), ((PMIN,), PMIN)]
+    # monotone: into a float from any real type (or to the same type)
+    if src == dst or (_real(src) and _real(dst) and jnp.issubdtype(dst, jnp.floating)):
+        extra += _KEEP_EXTREMES
     yield from _elementwise(ctx, extra)
 
 
 @register_sbp_rule(*BINARY)
 def _binary(ctx):
     name = ctx.primitive.name
-    a, b = ctx.in_shapes
     extra = []
     if name in ("add", "add_any", "sub"):
         extra.append(((P, P), P))
+        if _float(ctx.in_avals[0].dtype):  # integers wrap around: not monotone
+            extra += [((PMAX, B), PMAX), ((PMIN, B), PMIN)]
+            if name == "sub":  # b - max(a_i) = min(b - a_i)
+                extra += [((B, PMAX), PMIN), ((B, PMIN), PMAX)]
+            else:
+                extra += [((B, PMAX), PMAX), ((B, PMIN), PMIN)]
     elif name == "mul":
         extra += [((P, B), P), ((B, P), P)]
     elif name == "div" and _inexact(ctx.out_avals[0].dtype):  # integer division is not linear
@@ -84,13 +127,15 @@ def _binary(ctx):
 
 @register_sbp_rule("select_n")
 def _select_n(ctx):
+    """Choosing between partial operands with a B predicate keeps the partial kind."""
     n = len(ctx.in_avals) - 1
-    yield from _elementwise(ctx, [((B,) + (P,) * n, P)])
+    yield from _elementwise(ctx, [((B,) + (x,) * n, x) for x in (P, PMAX, PMIN)])
 
 
 @register_sbp_rule("clamp")
 def _clamp(ctx):
-    yield from _elementwise(ctx)
+    """clamp(lo, x, hi) is monotone in x: B bounds keep a partial max / min of x."""
+    yield from _elementwise(ctx, [((B, x, B), x) for x in (PMAX, PMIN)])
 
 
 def _annotation_local(st, ins):
