@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -34,13 +35,14 @@ import jax
 import numpy as np
 from flax import nnx
 
+from .. import _sbp
 from .._errors import SbpError
 from .._jit import jit as sbp_jit
 from .._tensor import GlobalTensor, tensor, to_global
 from ..flax import Strategy, leaf_layouts, shard, use_strategy
 from ..flax import gather as gather_state
 
-__all__ = ["Stage", "as_module", "Stash"]
+__all__ = ["Stage", "StageSpec", "Stash", "as_module", "grad_sbp", "make_programs", "make_update"]
 
 
 def _is_global(x) -> bool:
@@ -88,11 +90,139 @@ class Stash:
 
 @dataclasses.dataclass
 class _Programs:
-    """The forward and backward programs of a stage for one input signature."""
+    """The forward and backward programs of a stage for one argument signature."""
 
     fwd: Any
     bwd: Any
     meta: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """Everything a stage's programs depend on besides its arguments' layouts (hashable), so that
+    pipelines over the same structure — e.g. the same model under two schedules — share them."""
+
+    graphdef: Any
+    strategy: Strategy
+    loss_fn: Callable
+    first: bool
+    last: bool
+    remat: bool
+
+
+_PROGRAMS: OrderedDict = OrderedDict()
+_PROGRAMS_MAX = 64  # compiled programs kept (least recently used dropped first)
+
+
+def _cached(key, make):
+    prog = _PROGRAMS.get(key)
+    if prog is None:
+        prog = _PROGRAMS[key] = make()
+        while len(_PROGRAMS) > _PROGRAMS_MAX:
+            _PROGRAMS.popitem(last=False)
+    else:
+        _PROGRAMS.move_to_end(key)
+    return prog
+
+
+def _signature(*trees) -> tuple:
+    out = []
+    for v in trees:
+        leaves, treedef = jax.tree_util.tree_flatten(v, is_leaf=_is_global)
+        out.append(
+            (
+                treedef,
+                tuple(
+                    (a.layout, np.dtype(a.dtype))
+                    if _is_global(a)
+                    else (np.shape(a), np.result_type(a))
+                    for a in leaves
+                ),
+            )
+        )
+    return tuple(out)
+
+
+def grad_sbp(param_sbp: tuple, strategy: Strategy) -> tuple:
+    """The layout a parameter's gradient is summed in across micro-batches: the parameter's own,
+    except ``P`` over the data axis where the parameter is broadcast (each data-parallel device
+    holds an addend; they are reduced once per batch, by the update)."""
+    a = strategy.data_axis
+    if a is None:
+        return param_sbp
+    i = strategy.placement.axis_names.index(a)
+    out = list(param_sbp)
+    if out[i] is _sbp.broadcast:
+        out[i] = _sbp.partial_sum
+    return tuple(out)
+
+
+def _apply(spec: StageSpec, params, rest, x, t):
+    m = nnx.merge(spec.graphdef, params, rest)
+    y = m(x)
+    if spec.last:
+        return spec.loss_fn(y) if t is None else spec.loss_fn(y, t)
+    return y
+
+
+def _vjp(spec: StageSpec, params, rest, x, t):
+    if spec.first:  # the data is not differentiated (it may be integer tokens)
+        return jax.vjp(lambda p: _apply(spec, p, rest, x, t), params)
+    return jax.vjp(lambda p, x_: _apply(spec, p, rest, x_, t), params, x)
+
+
+def make_programs(spec: StageSpec, params, x) -> _Programs:
+    """The forward and backward ``jsbp.jit`` programs of a stage (see the module docstring)."""
+    meta: dict = {}
+
+    def fwd(params, rest, x, t):
+        with use_strategy(spec.strategy):
+            y, vjp = _vjp(spec, params, rest, x, t)
+        if spec.remat:
+            meta.update(x=True, t=True)
+            return y, []
+        # the vjp is a pytree: its leaves are the residuals; keep only those that are new buffers
+        leaves, tree = jax.tree_util.tree_flatten(vjp)
+        known: dict[int, tuple[str, int]] = {}
+        for name, obj in (("p", params), ("s", rest), ("x", x), ("t", t)):
+            for i, leaf in enumerate(jax.tree_util.tree_leaves(obj)):
+                known.setdefault(id(leaf), (name, i))
+        refs, residuals = [], []
+        for leaf in leaves:
+            if id(leaf) in known:
+                refs.append(known[id(leaf)])
+            else:
+                refs.append(("r", len(residuals)))
+                residuals.append(leaf)
+        meta.update(
+            tree=tree, refs=refs, x=any(k == "x" for k, _ in refs), t=any(k == "t" for k, _ in refs)
+        )
+        return y, residuals
+
+    def bwd(params, rest, x, t, residuals, dy, gsum):
+        with use_strategy(spec.strategy):
+            if spec.remat:
+                _, vjp = _vjp(spec, params, rest, x, t)
+            else:
+                src = {
+                    "p": jax.tree_util.tree_leaves(params),
+                    "s": jax.tree_util.tree_leaves(rest),
+                    "x": jax.tree_util.tree_leaves(x),
+                    "t": jax.tree_util.tree_leaves(t),
+                    "r": residuals,
+                }
+                vjp = jax.tree_util.tree_unflatten(
+                    meta["tree"], [src[k][i] for k, i in meta["refs"]]
+                )
+            cts = vjp(dy)
+        gsum = jax.tree_util.tree_map(lambda a, b: a + b, gsum, cts[0])
+        return gsum, (None if spec.first else cts[1])
+
+    # the gradient sum leaves in the layout it came in (grad_sbp), whatever the inference prefers;
+    # the input gradient (dx) keeps its inferred layout
+    out_sbp = [grad_sbp(p.sbp, spec.strategy) for p in _leaves(params)]
+    out_sbp += [] if spec.first else [None] * len(_leaves(x))
+    return _Programs(sbp_jit(fwd), sbp_jit(bwd, out_sbp=out_sbp), meta)
 
 
 def _map_state(state, fn):
@@ -100,6 +230,23 @@ def _map_state(state, fn):
     return nnx.from_flat_state(
         [(path, var.replace(fn(path, var.get_value()))) for path, var in flat]
     )
+
+
+def make_update(graphdef, state, strategy: Strategy):
+    """The update program of a stage: box each summed gradient to the strategy's gradient layout
+    (P -> B: one all-reduce per batch under data parallelism), then one ``nnx.Optimizer`` update;
+    every state leaf leaves in the layout it came in."""
+    lays = leaf_layouts(list(nnx.to_flat_state(state)), strategy)
+    out_sbp = [x.sbp if _is_global(x) else None for x in _leaves(state)]
+
+    def upd(state, grads):
+        with use_strategy(strategy):
+            model, opt = nnx.merge(graphdef, state)
+            grads = _map_state(grads, lambda path, g: to_global(g, sbp=lays[(0,) + path].grad))
+            opt.update(model, grads)
+            return nnx.state((model, opt))
+
+    return sbp_jit(upd, out_sbp=out_sbp)
 
 
 class Stage:
@@ -121,14 +268,14 @@ class Stage:
         self.user_module = module
         self.strategy = strategy
         self.placement = strategy.placement
-        self.loss_fn = loss_fn
         self.remat = remat
         optimizer = nnx.Optimizer(module, tx, wrt=nnx.Param)
         self.module, self.optimizer = shard((module, optimizer), strategy)
-        self._graphdef = nnx.graphdef(self.module)
-        self._programs: dict = {}
-        self._update = None
+        self.spec = StageSpec(
+            nnx.graphdef(self.module), strategy, loss_fn, self.first, self.last, remat
+        )
         self._grads = None
+        self._zeros = None
         self._state = None
         self._y_sbp = None  # nd-sbp of this stage's output (where gradients coming back are put)
 
@@ -136,7 +283,19 @@ class Stage:
     def begin_step(self) -> None:
         _, params, rest = nnx.split(self.module, nnx.Param, ...)
         self._state = (params, rest)
-        self._grads = None
+        if (
+            self._zeros is None
+        ):  # the gradient sum starts from zeros in its summing layout (kept: never written)
+            self._zeros = jax.tree_util.tree_map(
+                lambda p: tensor(
+                    np.zeros(p.shape, p.dtype),
+                    placement=self.placement,
+                    sbp=grad_sbp(p.sbp, self.strategy),
+                ),
+                params,
+                is_leaf=_is_global,
+            )
+        self._grads = self._zeros
 
     def put(self, tree):
         """A host micro-batch (or a global one) onto this stage, in the strategy's batch layout."""
@@ -177,89 +336,10 @@ class Stage:
             is_leaf=_is_global,
         )
 
-    # -- programs --------------------------------------------------------------------------------
-    def _apply(self, params, rest, x, t):
-        m = nnx.merge(self._graphdef, params, rest)
-        y = m(x)
-        if self.last:
-            return self.loss_fn(y) if t is None else self.loss_fn(y, t)
-        return y
-
-    def _vjp(self, params, rest, x, t):
-        if self.first:  # the data is not differentiated (it may be integer tokens)
-            return jax.vjp(lambda p: self._apply(p, rest, x, t), params)
-        return jax.vjp(lambda p, x_: self._apply(p, rest, x_, t), params, x)
-
-    def _make_programs(self) -> _Programs:
-        meta: dict = {}
-        strategy = self.strategy
-
-        def fwd(params, rest, x, t):
-            with use_strategy(strategy):
-                y, vjp = self._vjp(params, rest, x, t)
-            if self.remat:
-                meta.update(x=True, t=True)
-                return y, []
-            leaves, tree = jax.tree_util.tree_flatten(vjp)
-            known: dict[int, tuple[str, int]] = {}
-            for name, obj in (("p", params), ("s", rest), ("x", x), ("t", t)):
-                for i, leaf in enumerate(jax.tree_util.tree_leaves(obj)):
-                    known.setdefault(id(leaf), (name, i))
-            refs, residuals = [], []
-            for leaf in leaves:
-                if id(leaf) in known:
-                    refs.append(known[id(leaf)])
-                else:
-                    refs.append(("r", len(residuals)))
-                    residuals.append(leaf)
-            meta.update(
-                tree=tree,
-                refs=refs,
-                x=any(k == "x" for k, _ in refs),
-                t=any(k == "t" for k, _ in refs),
-            )
-            return y, residuals
-
-        def bwd(params, rest, x, t, residuals, dy, gsum):
-            with use_strategy(strategy):
-                if self.remat:
-                    _, vjp = self._vjp(params, rest, x, t)
-                else:
-                    src = {
-                        "p": jax.tree_util.tree_leaves(params),
-                        "s": jax.tree_util.tree_leaves(rest),
-                        "x": jax.tree_util.tree_leaves(x),
-                        "t": jax.tree_util.tree_leaves(t),
-                        "r": residuals,
-                    }
-                    vjp = jax.tree_util.tree_unflatten(
-                        meta["tree"], [src[k][i] for k, i in meta["refs"]]
-                    )
-                cts = vjp(dy)
-            dparams = (
-                cts[0] if gsum is None else jax.tree_util.tree_map(lambda a, b: a + b, gsum, cts[0])
-            )
-            return dparams, (None if self.first else cts[1])
-
-        return _Programs(sbp_jit(fwd), sbp_jit(bwd), meta)
-
     def _programs_for(self, x, t) -> _Programs:
-        sig = tuple(
-            (
-                jax.tree_util.tree_structure(v, is_leaf=_is_global),
-                tuple(
-                    (a.layout, np.dtype(a.dtype))
-                    if _is_global(a)
-                    else (np.shape(a), np.result_type(a))
-                    for a in _leaves(v)
-                ),
-            )
-            for v in (x, t)
-        )
-        prog = self._programs.get(sig)
-        if prog is None:
-            prog = self._programs[sig] = self._make_programs()
-        return prog
+        params, rest = self._state
+        key = ("stage", self.spec, _signature(params, rest, x, t))
+        return _cached(key, lambda: make_programs(self.spec, params, x))
 
     # -- actions -----------------------------------------------------------------------------
     def forward(self, microbatch: int, x, t=None):
@@ -287,7 +367,7 @@ class Stage:
         """One optimizer update with the gradients summed over the step's micro-batches."""
         if self._grads is None:
             raise SbpError(
-                f"pipeline: stage {self.index} has no gradient to apply; run every micro-batch's backward first."
+                f"pipeline: stage {self.index} has no gradient to apply; call begin_step and run the backwards first."
             )
         fn, state = self._update_program()
         new_state = fn(state, self._grads)
@@ -297,29 +377,13 @@ class Stage:
 
     def _update_program(self):
         gd, state = nnx.split((self.module, self.optimizer))
-        if self._update is None:
-            lays = leaf_layouts(list(nnx.to_flat_state(state)), self.strategy)
-            out_sbp = [x.sbp if _is_global(x) else None for x in _leaves(state)]
-            strategy = self.strategy
-
-            def upd(state, grads):
-                with use_strategy(strategy):
-                    model, opt = nnx.merge(gd, state)
-                    grads = _map_state(
-                        grads, lambda path, g: to_global(g, sbp=lays[(0,) + path].grad)
-                    )
-                    opt.update(model, grads)
-                    return nnx.state((model, opt))
-
-            self._update = sbp_jit(upd, out_sbp=out_sbp)
-        return self._update, state
+        key = ("update", gd, self.strategy, _signature(state))
+        return _cached(key, lambda: make_update(gd, state, self.strategy)), state
 
     def count_collectives(self, x, t, dy_of) -> tuple[dict, Any]:
-        """Collectives of this stage's forward, backward (the variant that adds to the running sum)
-        and update programs for one micro-batch; runs the forward and one backward to get real
-        arguments, leaves the parameters and the gradient sum as they were.
-
-        ``dy_of(y)``: the cotangent of the forward's output. Returns ``(counts, dx)``.
+        """Collectives of this stage's forward, backward and update programs for one micro-batch;
+        runs the forward and one backward to get real arguments and leaves the gradient sum as it
+        was. ``dy_of(y)``: the cotangent of the forward's output. Returns ``(counts, (y, dx))``.
         """
         from ..debug import count_collectives
 
@@ -329,10 +393,9 @@ class Stage:
         y, stash = self.forward(0, x, t)
         dy = dy_of(y)
         saved = self._grads
-        self._grads = None
         dx = self.backward(stash, dy)
         counts["backward"] = count_collectives(
-            prog.bwd, params, rest, stash.x, stash.t, stash.residuals, dy, self._grads
+            prog.bwd, params, rest, stash.x, stash.t, stash.residuals, dy, saved
         )
         fn, state = self._update_program()
         counts["update"] = count_collectives(fn, state, self._grads)

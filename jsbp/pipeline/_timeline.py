@@ -96,7 +96,10 @@ def timeline_text(sch: Schedule, record=None) -> str:
     if live is not None:
         cells += [str(x) for t in live for x in _live_per_rank(sch, t)]
     w = max(len(c) for c in cells) + 1
-    left = max(len(f"rank {sch.ranks - 1}"), len("live r0") + len(str(sch.ranks)))
+    labels = [f"rank {r}" for r in range(sch.ranks)] + (
+        [f"live r{r}" for r in range(sch.ranks)] if live else []
+    )
+    left = max(len(x) for x in labels + ["slot"])
     lines = [summary(sch)]
     lines.append("slot".ljust(left) + " " + "".join(str(t).rjust(w) for t in range(sch.makespan)))
     for r in range(sch.ranks):
