@@ -95,32 +95,42 @@ class TrainStep:
         return jax.tree.map(one, batch, is_leaf=_is_global)
 
     # -- the logical step ------------------------------------------------------------------------
-    def _logical(self, graphdef, plans):
-        loss_fn, accum, strategy = self.loss_fn, self.accum, self.strategy
+    def _grad_fn(self, plans):
+        """``(params, rest, micro_batch) -> ((loss, rest), grads)`` with ZeRO-3's use boxing."""
+        loss_fn, strategy = self.loss_fn, self.strategy
         zero3 = strategy is not None and strategy.zero >= 3
 
         def use(path, p):
-            if not zero3:
-                return p
             lay = plans[(0,) + path]
             return to_global(p, sbp=lay.use, grad_sbp=lay.grad)
+
+        def make(mdef):
+            def loss_of(params, rest, mb):
+                if zero3:
+                    params = _map_flat(params, use)
+                m = nnx.merge(mdef, params, rest)
+                return loss_fn(m, mb), nnx.state(m, nnx.Not(nnx.Param))
+
+            return jax.value_and_grad(loss_of, has_aux=True)
+
+        return make
+
+    def _logical(self, graphdef, plans, carry_sbp=None):
+        accum, strategy = self.accum, self.strategy
+        make_grad_fn = self._grad_fn(plans)
 
         def reduce_grad(path, g):
             if strategy is None:
                 return g
             return to_global(g, sbp=plans[(0,) + path].grad)
 
+        def pin(x, nd):
+            return x if nd is None else to_global(x, sbp=nd)
+
         def step(state, batch):
             model, optimizer = nnx.merge(graphdef, state)
             mdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-            def loss_of(params, rest, mb):
-                params = _map_flat(params, use)
-                m = nnx.merge(mdef, params, rest)
-                loss = loss_fn(m, mb)
-                return loss, nnx.state(m, nnx.Not(nnx.Param))
-
-            grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+            grad_fn = make_grad_fn(mdef)
             if accum == 1:
                 (loss, rest), grads = grad_fn(params, rest, batch)
             else:
@@ -130,10 +140,17 @@ class TrainStep:
                     (loss_mb, rest), g = grad_fn(params, rest, mb)
                     return (jax.tree.map(jnp.add, gsum, g), lsum + loss_mb, rest), None
 
-                zeros = jax.tree.map(jnp.zeros_like, params)
-                (gsum, lsum, rest), _ = jax.lax.scan(
-                    body, (zeros, jnp.zeros((), jnp.float32), rest), batch
+                # start the sums in the layouts one micro-batch's gradients have (P under data
+                # parallelism), so they stay there through the loop and are reduced once after it
+                g_nd, l_nd = carry_sbp if carry_sbp is not None else (None, None)
+                zeros, tree = jax.tree.flatten(jax.tree.map(jnp.zeros_like, params))
+                zeros = [pin(z, nd) for z, nd in zip(zeros, g_nd or [None] * len(zeros))]
+                init = (
+                    jax.tree.unflatten(tree, zeros),
+                    pin(jnp.zeros((), jnp.float32), l_nd),
+                    rest,
                 )
+                (gsum, lsum, rest), _ = jax.lax.scan(body, init, batch)
                 grads = jax.tree.map(lambda g: g / accum, gsum)
                 loss = lsum / accum
             grads = _map_flat(grads, reduce_grad)
@@ -150,7 +167,28 @@ class TrainStep:
 
         return traced
 
-    def _compiled(self, graphdef, state):
+    def _carry_sbp(self, graphdef, plans, state, batch):
+        """The layouts of one micro-batch's gradients and loss, read from jsbp's plan of a probe
+        (inference only, nothing is compiled)."""
+        strategy = self.strategy
+        make_grad_fn = self._grad_fn(plans)
+
+        def probe(state, mb):
+            with activate(strategy):
+                model, _ = nnx.merge(graphdef, state)
+                mdef, params, rest = nnx.split(model, nnx.Param, ...)
+                (loss, _), grads = make_grad_fn(mdef)(params, rest, mb)
+                return jax.tree.leaves(grads), loss
+
+        def micro(x):
+            return _zeros_like_micro(x, strategy.batch_sbp(x.ndim - 1), strategy.placement)
+
+        mb = jax.tree.map(micro, batch, is_leaf=_is_global)
+        entry = sbp_jit(probe).lower_program(state, mb)
+        outs = [lay.nd_sbp for lay in entry.out_layouts]
+        return outs[:-1], outs[-1]
+
+    def _compiled(self, graphdef, state, batch):
         key = graphdef
         fn = self._cache.get(key)
         if fn is not None:
@@ -160,20 +198,23 @@ class TrainStep:
         else:
             flat = list(nnx.to_flat_state(state))
             plans = leaf_layouts(flat, self.strategy)
+            carry = self._carry_sbp(graphdef, plans, state, batch) if self.accum > 1 else None
             leaves = jax.tree.leaves(state, is_leaf=_is_global)
             out_sbp = [x.sbp if _is_global(x) else None for x in leaves] + [None]
-            fn = sbp_jit(self._logical(graphdef, plans), out_sbp=out_sbp)
+            fn = sbp_jit(self._logical(graphdef, plans, carry), out_sbp=out_sbp)
         self._cache[key] = fn
         return fn
 
-    def pure(self, graphdef, state):
-        """The compiled functional step for ``nnx.split((model, optimizer))``'s graphdef."""
-        return self._compiled(graphdef, state)
+    def pure(self, graphdef, state, batch):
+        """The compiled functional step ``(state, batch) -> (state, loss)`` for
+        ``graphdef, state = nnx.split((model, optimizer))`` and a batch from ``put_batch``."""
+        return self._compiled(graphdef, state, batch)
 
     def __call__(self, model, optimizer, batch):
         graphdef, state = nnx.split((model, optimizer))
-        fn = self._compiled(graphdef, state)
-        new_state, loss = fn(state, self.put_batch(batch))
+        batch = self.put_batch(batch)
+        fn = self._compiled(graphdef, state, batch)
+        new_state, loss = fn(state, batch)
         nnx.update((model, optimizer), new_state)
         return loss
 
@@ -187,14 +228,23 @@ class TrainStep:
                 "explain: this step has no strategy (it runs on one device with plain jax.jit)."
             )
         graphdef, state = nnx.split((model, optimizer))
-        return explain(self._compiled(graphdef, state), state, self.put_batch(batch))
+        batch = self.put_batch(batch)
+        return explain(self._compiled(graphdef, state, batch), state, batch)
 
     def count_collectives(self, model, optimizer, batch) -> dict[str, int]:
         """The collectives XLA emits for one step (``jsbp.debug.count_collectives``)."""
         from ..debug import count_collectives
 
         graphdef, state = nnx.split((model, optimizer))
-        return count_collectives(self._compiled(graphdef, state), state, self.put_batch(batch))
+        batch = self.put_batch(batch)
+        return count_collectives(self._compiled(graphdef, state, batch), state, batch)
+
+
+def _zeros_like_micro(x, nd, placement):
+    """A zero global tensor shaped like one micro-batch of ``x`` (leading accum dim dropped)."""
+    from .._tensor import zeros
+
+    return zeros(tuple(x.shape[1:]), placement=placement, sbp=nd, dtype=x.dtype)
 
 
 def make_train_step(
