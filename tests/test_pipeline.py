@@ -14,7 +14,6 @@ import os
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
