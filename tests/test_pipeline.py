@@ -354,3 +354,39 @@ def test_microbatches_cannot_be_forgotten():
         jpp.Pipeline(_tiny_stages(2), loss, optax.sgd(0.1), microbatches=0)
     with pytest.raises(jsbp.SbpError, match="stage 1 is"):
         jpp.Pipeline([_tiny_stages(1)[0], "not a module"], loss, optax.sgd(0.1), microbatches=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# the GPT example
+# ----------------------------------------------------------------------------------------------
+
+
+def _load_example(name):
+    import importlib.util
+    import pathlib
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name]
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpt_example_matches_one_device():
+    """examples/train_gpt_pipeline.py at a tiny size: pp=2 x dp=2 x tp=2, 1F1B, 2 micro-batches,
+    against train_gpt.py's one-device run (int tokens into stage 0, vocab-parallel loss on stage 1)."""
+    ex = _load_example("train_gpt_pipeline")
+    base = ex.base
+    corpus = base.Corpus()
+    cfg = base.GPTConfig(vocab=corpus.vocab, seq=8, d_model=16, n_heads=2, n_layers=1, d_mlp=32)
+    losses, pipe, _ = ex.train("pp=2,dp=2,tp=2", microbatches=2, schedule="1f1b", steps=2, batch=8, cfg=cfg,
+                               corpus=corpus)
+    ref = base.train("none", steps=2, batch=8, cfg=cfg, corpus=corpus)
+    assert all(abs(a - b) <= RTOL * abs(b) for a, b in zip(losses, ref.losses)), (losses, ref.losses)
+    assert pipe.last_record.peak_live == (2, 1)
+    with pytest.raises(SystemExit):  # --microbatches is required on the command line too
+        ex.build_parser().parse_args(["--parallel", "pp=2"])
