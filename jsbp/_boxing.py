@@ -231,8 +231,12 @@ def _take(x, dim, table, mask, plc):
         if starts is not None:  # every device reads one run: a slice, not a gather (a copy, no index math)
             if uniform:
                 return lax.slice_in_dim(x, int(starts[0]), int(starts[0]) + table.shape[1], axis=dim)
-            start = jnp.asarray(starts, dtype=jnp.int32)[_device_index(plc)]
-            return lax.dynamic_slice_in_dim(x, start, table.shape[1], axis=dim)
+            step = int(starts[1] - starts[0]) if len(starts) > 1 else 0
+            if np.array_equal(starts, step * np.arange(len(starts))):  # even split: no table
+                start = _device_index(plc) * step
+            else:
+                start = jnp.asarray(starts, dtype=jnp.int32)[_device_index(plc)]
+            return lax.dynamic_slice_in_dim(x, start, table.shape[1], axis=dim, allow_negative_indices=False)
     if uniform:
         idx = jnp.asarray(row, dtype=jnp.int32)
         m = None if mask is None else jnp.asarray(mask[0])
