@@ -32,16 +32,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--parallel", default=DEFAULT_PARALLEL,
-                    help="comma-separated pp=N,dp=N,tp=N; pp x dp x tp devices (default %(default)s)")
-    ap.add_argument("--microbatches", type=int, required=True,
-                    help="micro-batches per batch (required: the batch size must be a multiple of it)")
+    ap.add_argument(
+        "--parallel",
+        default=DEFAULT_PARALLEL,
+        help="comma-separated pp=N,dp=N,tp=N; pp x dp x tp devices (default %(default)s)",
+    )
+    ap.add_argument(
+        "--microbatches",
+        type=int,
+        required=True,
+        help="micro-batches per batch (required: the batch size must be a multiple of it)",
+    )
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"))
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16, help="sequences per optimizer step")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--check", action="store_true", help="also train on one device and compare the losses")
+    ap.add_argument(
+        "--check", action="store_true", help="also train on one device and compare the losses"
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     return ap
 
@@ -86,7 +95,7 @@ def stage_parts(gpt: base.GPT, stages: int) -> list[list[nnx.Module]]:
     sizes = [len(parts) // stages + (1 if i < len(parts) % stages else 0) for i in range(stages)]
     out, start = [], 0
     for n in sizes:
-        out.append(parts[start:start + n])
+        out.append(parts[start : start + n])
         start += n
     return out
 
@@ -101,18 +110,37 @@ def make_pipeline(gpt, tx, axes: dict[str, int], microbatches: int, schedule: st
     chunks = 2 if schedule == "interleaved" else 1
     placements = jpp.stage_placements(pp, axes=inner or None)
     logical = {k: v for k, v in base.LOGICAL_AXES.items() if v is None or v in inner}
-    return jpp.Pipeline(stage_parts(gpt, pp * chunks), next_char_loss, tx, microbatches=microbatches,
-                        schedule=schedule, placements=placements, logical_axes=logical)
+    return jpp.Pipeline(
+        stage_parts(gpt, pp * chunks),
+        next_char_loss,
+        tx,
+        microbatches=microbatches,
+        schedule=schedule,
+        placements=placements,
+        logical_axes=logical,
+    )
 
 
-def train(parallel: str | dict = DEFAULT_PARALLEL, *, microbatches: int, schedule: str = "1f1b", steps: int = 10,
-          seed: int = 0, batch: int = 16, lr: float = 3e-3, cfg: base.GPTConfig | None = None,
-          corpus: base.Corpus | None = None, on_step=None):
+def train(
+    parallel: str | dict = DEFAULT_PARALLEL,
+    *,
+    microbatches: int,
+    schedule: str = "1f1b",
+    steps: int = 10,
+    seed: int = 0,
+    batch: int = 16,
+    lr: float = 3e-3,
+    cfg: base.GPTConfig | None = None,
+    corpus: base.Corpus | None = None,
+    on_step=None,
+):
     """Train ``steps`` steps; returns ``(losses, pipeline, model)`` with the trained values in ``model``."""
     axes = base.parse_parallel(parallel) if isinstance(parallel, str) else dict(parallel)
     if axes.get("pp", 1) < 2:
-        raise jsbp.SbpError(f"--parallel {axes}: this example is for pipelines; give pp=2 or more "
-                            "(train_gpt.py runs dp and tp alone).")
+        raise jsbp.SbpError(
+            f"--parallel {axes}: this example is for pipelines; give pp=2 or more "
+            "(train_gpt.py runs dp and tp alone)."
+        )
     corpus = corpus or base.Corpus()
     cfg = cfg or base.GPTConfig(vocab=corpus.vocab)
     model, optimizer = base.init(cfg, seed, lr)  # the optimizer only lends its optax transform
@@ -150,16 +178,37 @@ def main(argv=None) -> int:
             show(f"step {i:4d}  loss {loss:.4f}")
 
     t0 = time.perf_counter()
-    losses, pipe, model = train(axes, microbatches=args.microbatches, schedule=args.schedule, steps=args.steps,
-                                seed=args.seed, batch=args.batch, lr=args.lr, cfg=cfg, corpus=corpus,
-                                on_step=on_step)
+    losses, pipe, model = train(
+        axes,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        steps=args.steps,
+        seed=args.seed,
+        batch=args.batch,
+        lr=args.lr,
+        cfg=cfg,
+        corpus=corpus,
+        on_step=on_step,
+    )
     rec = pipe.last_record
-    show(f"final loss {losses[-1]:.4f} after {args.steps} steps ({time.perf_counter() - t0:.1f}s); "
-         f"bubble {rec.schedule.bubble_fraction:.1%}, measured peak live micro-batches per stage {rec.peak_live}")
+    show(
+        f"final loss {losses[-1]:.4f} after {args.steps} steps ({time.perf_counter() - t0:.1f}s); "
+        f"bubble {rec.schedule.bubble_fraction:.1%}, measured peak live micro-batches per stage {rec.peak_live}"
+    )
     if args.check:
-        ref = base.train("none", steps=args.steps, seed=args.seed, batch=args.batch, lr=args.lr, cfg=cfg, corpus=corpus)
+        ref = base.train(
+            "none",
+            steps=args.steps,
+            seed=args.seed,
+            batch=args.batch,
+            lr=args.lr,
+            cfg=cfg,
+            corpus=corpus,
+        )
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses))
-        show(f"one device: final loss {ref.losses[-1]:.4f}; largest relative loss difference {worst:.1e}")
+        show(
+            f"one device: final loss {ref.losses[-1]:.4f}; largest relative loss difference {worst:.1e}"
+        )
         if worst > 1e-5:
             show("MISMATCH: the pipeline does not reproduce the one-device losses")
             return 1

@@ -37,7 +37,9 @@ full_grid = pytest.mark.skipif(not os.environ.get("JSBP_FULL"), reason="full gri
 
 def _linear(a, b, names, rngs):
     return nnx.Linear(
-        a, b, rngs=rngs,
+        a,
+        b,
+        rngs=rngs,
         kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), names),
         bias_init=nnx.with_partitioning(nnx.initializers.normal(0.1), names[1:]),
     )
@@ -72,7 +74,7 @@ class Model(nnx.Module):
     def stages(self, p):
         """``p`` layer ranges: the input layer joins the first, the head the last."""
         k = BLOCKS // p
-        out = [list(self.blocks[i * k:(i + 1) * k]) for i in range(p)]
+        out = [list(self.blocks[i * k : (i + 1) * k]) for i in range(p)]
         out[0].insert(0, self.inp)
         out[-1].append(self.head)
         return out
@@ -114,7 +116,10 @@ def reference():
 
 
 def _params(model):
-    return {jflax.path_str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {
+        jflax.path_str(p): np.asarray(v.get_value())
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
 
 
 TOPOLOGIES = {
@@ -128,8 +133,16 @@ def train(topology, m, schedule, *, remat=False, steps=STEPS):
     cfg = TOPOLOGIES[topology]
     model = make_model()
     placements = jpp.stage_placements(cfg["p"], axes=cfg["axes"]) if "axes" in cfg else None
-    pipe = jpp.Pipeline(model.stages(cfg["p"]), loss_fn, TX, microbatches=m, schedule=schedule,
-                        placements=placements, logical_axes=cfg["logical_axes"], remat=remat)
+    pipe = jpp.Pipeline(
+        model.stages(cfg["p"]),
+        loss_fn,
+        TX,
+        microbatches=m,
+        schedule=schedule,
+        placements=placements,
+        logical_axes=cfg["logical_axes"],
+        remat=remat,
+    )
     losses = [pipe.step(*batch(i)) for i in range(steps)]
     pipe.write_back()  # trained values back into `model`, in place
     return losses, model, pipe
@@ -172,7 +185,13 @@ FAST = [
     ("pp2xdp2xtp2", 4, "1f1b"),
     ("pp2xdp2xtp2", 8, "gpipe"),
 ]
-FULL = [(t, m, s) for t in TOPOLOGIES for m in (4, 8) for s in ("gpipe", "1f1b") if (t, m, s) not in FAST]
+FULL = [
+    (t, m, s)
+    for t in TOPOLOGIES
+    for m in (4, 8)
+    for s in ("gpipe", "1f1b")
+    if (t, m, s) not in FAST
+]
 
 
 @pytest.mark.parametrize("topology,m,schedule", FAST, ids=[f"{t}-m{m}-{s}" for t, m, s in FAST])
@@ -222,8 +241,14 @@ def test_data_parallel_gradients_reduced_once_per_batch():
     the update reduces them once."""
     model = make_model()
     placements = jpp.stage_placements(2, axes={"dp": 2})
-    pipe = jpp.Pipeline(model.stages(2), loss_fn, TX, microbatches=4, placements=placements,
-                        logical_axes={"batch": "dp"})
+    pipe = jpp.Pipeline(
+        model.stages(2),
+        loss_fn,
+        TX,
+        microbatches=4,
+        placements=placements,
+        logical_axes={"batch": "dp"},
+    )
     counts = pipe.count_collectives(*batch(0))
     for c in counts:
         assert c["forward"]["all-reduce"] == 0 and c["backward"]["all-reduce"] == 0, c
@@ -263,7 +288,9 @@ def test_schedule_orders(p, m):
         warm = min(p - s - 1, m)
         assert o_kinds == "F" * warm + "FB" * (m - warm) + "B" * warm
     assert max(max(c) for c in g.live_counts()) == m
-    assert [max(c[s] for c in o.live_counts()) for s in range(p)] == [min(p - s, m) for s in range(p)]
+    assert [max(c[s] for c in o.live_counts()) for s in range(p)] == [
+        min(p - s, m) for s in range(p)
+    ]
 
 
 def test_interleaved_schedule():
@@ -276,12 +303,14 @@ def test_interleaved_schedule():
 
 
 def test_schedule_text_snapshot():
-    assert jpp.gpipe(2, 2).text() == "\n".join([
-        "gpipe: 2 stage(s) on 2 rank(s) x 2 micro-batch(es), 6 slots, bubble 4/12 = 33.3% (GPipe's (p-1)/(m+p-1) = 1/3)",
-        "slot     0  1  2  3  4  5",
-        "rank 0  F0 F1  .  . B0 B1",
-        "rank 1   . F0 F1 B0 B1  .",
-    ])
+    assert jpp.gpipe(2, 2).text() == "\n".join(
+        [
+            "gpipe: 2 stage(s) on 2 rank(s) x 2 micro-batch(es), 6 slots, bubble 4/12 = 33.3% (GPipe's (p-1)/(m+p-1) = 1/3)",
+            "slot     0  1  2  3  4  5",
+            "rank 0  F0 F1  .  . B0 B1",
+            "rank 1   . F0 F1 B0 B1  .",
+        ]
+    )
 
 
 def test_timeline_html_is_self_contained():
@@ -289,7 +318,10 @@ def test_timeline_html_is_self_contained():
     html = sch._repr_html_()
     assert "<script" not in html.lower() and "<style" not in html.lower()
     assert 'fill="currentColor"' in html
-    cells = re.findall(r'data-time="(\d+)" data-rank="(\d+)" data-stage="(\d+)" data-microbatch="(\d+)" data-kind="([FB])"', html)
+    cells = re.findall(
+        r'data-time="(\d+)" data-rank="(\d+)" data-stage="(\d+)" data-microbatch="(\d+)" data-kind="([FB])"',
+        html,
+    )
     got = sorted((int(t), int(s), int(mb), k) for t, _, s, mb, k in cells)
     assert got == sorted(tuple(a) for a in sch.actions)
 
@@ -324,7 +356,9 @@ def _tiny_stages(n):
 def test_more_stages_than_devices():
     n = len(jax.devices()) + 1
     with pytest.raises(jsbp.PlacementError, match=f"{n} pipeline stages need at least {n} devices"):
-        jpp.Pipeline(_tiny_stages(n), lambda y, t: ((y - t) ** 2).mean(), optax.sgd(0.1), microbatches=2)
+        jpp.Pipeline(
+            _tiny_stages(n), lambda y, t: ((y - t) ** 2).mean(), optax.sgd(0.1), microbatches=2
+        )
     with pytest.raises(jsbp.PlacementError, match="needs 16 devices"):
         jpp.stage_placements(4, axes={"dp": 2, "tp": 2})
 
@@ -333,14 +367,23 @@ def test_overlapping_stage_placements():
     p0 = jsbp.placement("cpu", [0, 1])
     p1 = jsbp.placement("cpu", [1, 2])
     with pytest.raises(jsbp.PlacementError, match=r"overlaps rank 0's .* on device\(s\) \[1\]"):
-        jpp.Pipeline(_tiny_stages(2), lambda y, t: ((y - t) ** 2).mean(), optax.sgd(0.1), microbatches=2,
-                     placements=[p0, p1])
+        jpp.Pipeline(
+            _tiny_stages(2),
+            lambda y, t: ((y - t) ** 2).mean(),
+            optax.sgd(0.1),
+            microbatches=2,
+            placements=[p0, p1],
+        )
 
 
 def test_microbatches_must_divide_the_batch():
-    pipe = jpp.Pipeline(_tiny_stages(2), lambda y, t: ((y - t) ** 2).mean(), optax.sgd(0.1), microbatches=4)
+    pipe = jpp.Pipeline(
+        _tiny_stages(2), lambda y, t: ((y - t) ** 2).mean(), optax.sgd(0.1), microbatches=4
+    )
     x = np.ones((10, 2), np.float32)
-    with pytest.raises(jsbp.SbpError, match=r"batch of inputs of 10 rows cannot be cut into microbatches=4"):
+    with pytest.raises(
+        jsbp.SbpError, match=r"batch of inputs of 10 rows cannot be cut into microbatches=4"
+    ):
         pipe.step(x, x)
     with pytest.raises(jsbp.SbpError, match="different batch sizes"):
         pipe.step({"a": np.ones((8, 2)), "b": np.ones((4, 2))}, x)
@@ -383,10 +426,14 @@ def test_gpt_example_matches_one_device():
     base = ex.base
     corpus = base.Corpus()
     cfg = base.GPTConfig(vocab=corpus.vocab, seq=8, d_model=16, n_heads=2, n_layers=1, d_mlp=32)
-    losses, pipe, _ = ex.train("pp=2,dp=2,tp=2", microbatches=2, schedule="1f1b", steps=2, batch=8, cfg=cfg,
-                               corpus=corpus)
+    losses, pipe, _ = ex.train(
+        "pp=2,dp=2,tp=2", microbatches=2, schedule="1f1b", steps=2, batch=8, cfg=cfg, corpus=corpus
+    )
     ref = base.train("none", steps=2, batch=8, cfg=cfg, corpus=corpus)
-    assert all(abs(a - b) <= RTOL * abs(b) for a, b in zip(losses, ref.losses)), (losses, ref.losses)
+    assert all(abs(a - b) <= RTOL * abs(b) for a, b in zip(losses, ref.losses)), (
+        losses,
+        ref.losses,
+    )
     assert pipe.last_record.peak_live == (2, 1)
     with pytest.raises(SystemExit):  # --microbatches is required on the command line too
         ex.build_parser().parse_args(["--parallel", "pp=2"])

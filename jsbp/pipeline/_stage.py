@@ -9,8 +9,8 @@ Per stage there are three consistent-view programs, each compiled once on the st
   stage's own parameters or its input are passed again to the backward instead of being copied;
 * **backward** ``(params, rest, x, residuals, dy, gsum) -> (gsum + dparams, dx)``: the stored vjp
   applied to the cotangent; ``dx`` goes back to the previous stage and the parameter gradient is
-  added to the running sum inside the program, in its own layout (``P`` under data parallelism:
-  nothing is reduced per micro-batch). The first micro-batch runs a variant without a sum;
+  added to the running sum inside the program, in its own layout (``P`` over the data axis:
+  nothing is reduced per micro-batch; the sum starts from zeros in that layout);
 * **update** ``(state, grads) -> state``: the summed gradient is boxed once to the strategy's
   gradient layout (one all-reduce per parameter under data parallelism) and the stage's
   ``nnx.Optimizer`` applies one optax update. Every state leaf keeps its layout.
@@ -283,26 +283,21 @@ class Stage:
     def begin_step(self) -> None:
         _, params, rest = nnx.split(self.module, nnx.Param, ...)
         self._state = (params, rest)
-        if (
-            self._zeros is None
-        ):  # the gradient sum starts from zeros in its summing layout (kept: never written)
-            self._zeros = jax.tree_util.tree_map(
-                lambda p: tensor(
-                    np.zeros(p.shape, p.dtype),
-                    placement=self.placement,
-                    sbp=grad_sbp(p.sbp, self.strategy),
-                ),
-                params,
-                is_leaf=_is_global,
-            )
+        # the gradient sum starts from zeros in its own layout (made once: never written to)
+        if self._zeros is None:
+            self._zeros = jax.tree_util.tree_map(self._zero_grad, params, is_leaf=_is_global)
         self._grads = self._zeros
+
+    def _zero_grad(self, p: GlobalTensor) -> GlobalTensor:
+        sbp = grad_sbp(p.sbp, self.strategy)
+        return tensor(np.zeros(p.shape, p.dtype), placement=self.placement, sbp=sbp)
 
     def put(self, tree):
         """A host micro-batch (or a global one) onto this stage, in the strategy's batch layout."""
 
         def one(x):
             if _is_global(x):
-                return self._box(x, self.strategy.batch_sbp(x.ndim))
+                return x.to_global(placement=self.placement, sbp=self.strategy.batch_sbp(x.ndim))
             x = np.asarray(x)
             return tensor(x, placement=self.placement, sbp=self.strategy.batch_sbp(x.ndim))
 
@@ -348,7 +343,7 @@ class Stage:
         params, rest = self._state
         prog = self._programs_for(x, t)
         y, residuals = prog.fwd(params, rest, x, t)
-        if not self.last and self._y_sbp is None:
+        if not self.last:
             self._y_sbp = [v.sbp for v in _leaves(y) if _is_global(v)]
         keep_x = x if prog.meta.get("x") else None
         keep_t = t if prog.meta.get("t") else None
