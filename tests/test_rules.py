@@ -48,6 +48,9 @@ from jsbp.rules.control import HANDLED_BY_COMPILER
 
 FULL = os.environ.get("JSBP_FULL", "") not in ("", "0")
 
+# The cost of the sweep is XLA compile time, not run time: skip the expensive backend passes.
+_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
 # -------------------------------------------------------------------------------------------
 # the sample-input table: primitive name -> equations to trace
 # -------------------------------------------------------------------------------------------
@@ -438,7 +441,7 @@ class Traced:
 
 
 def _compute_references(traced: Sequence[Traced], chunk: int = 120):
-    """Single-device results of many equations, many per compile (one device, default options)."""
+    """Single-device results of many equations, many per compile (one device)."""
     todo = [t for t in traced if t._reference is None]
     for start in range(0, len(todo), chunk):
         part = todo[start: start + chunk]
@@ -454,7 +457,8 @@ def _compute_references(traced: Sequence[Traced], chunk: int = 120):
 
         dev = jax.devices()[0]
         args = [jax.device_put(x, dev) for t in part for x in t.logical]
-        for t, outs in zip(part, jax.jit(run_all)(*args)):
+        compiled = jax.jit(run_all).lower(*args).compile(compiler_options=_FAST_COMPILE)
+        for t, outs in zip(part, compiled(*args)):
             t._reference = [np.asarray(o) for o in outs]
 
 
@@ -628,8 +632,11 @@ def _make_input(placement, lay, aval, logical, rng):
     keys = sorted({_addend_key(nd, c) for c in _coords(hier)})
     addends = dict(zip(keys, _addends(_partial_kind(nd), logical, len(keys), rng)))
     local_shape = tuple(lay.local_shape) + ((2,) if _is_key(aval) else ())
-    devices = placement.devices
-    singles = []
+    phys_shape = tuple(lay.physical_shape) + ((2,) if _is_key(aval) else ())
+    spec = tuple(lay.spec) + ((None,) if _is_key(aval) else ())
+    sharding = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec(*spec))
+    where = sharding.devices_indices_map(phys_shape)  # JAX's own map: device -> its slice
+    phys = np.empty(phys_shape, dtype=dt)
     for c in _coords(hier):
         idx = _block_index(shape[: len(aval.shape)], hier, nd, c)
         if _is_key(aval):
@@ -637,13 +644,8 @@ def _make_input(placement, lay, aval, logical, rng):
         blk = addends[_addend_key(nd, c)][np.ix_(*idx)] if idx else addends[_addend_key(nd, c)]
         buf = np.full(local_shape, _garbage(dt), dtype=dt)
         buf[tuple(slice(0, len(i)) for i in idx)] = blk
-        if lay.partial_axes:
-            buf = buf[None]
-        singles.append(jax.device_put(buf, devices[c]))
-    phys_shape = tuple(lay.physical_shape) + ((2,) if _is_key(aval) else ())
-    spec = tuple(lay.spec) + ((None,) if _is_key(aval) else ())
-    sharding = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec(*spec))
-    arr = jax.make_array_from_single_device_arrays(phys_shape, sharding, singles)
+        phys[where[placement.devices[c]]] = buf[None] if lay.partial_axes else buf
+    arr = jax.device_put(phys, sharding)
     if _is_key(aval):
         arr = jax.jit(jax.random.wrap_key_data, out_shardings=lay.sharding)(arr)
     return arr
@@ -725,9 +727,6 @@ def _prepare(placement, item: Item, rng):
                  for lay, v, x in zip(item.prog.in_layouts, t.eqn.invars, t.logical)]
 
 
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 def _run_batch(placement, items: Sequence[Item]):
     """Run every item's program in one jitted shard_map; returns the outputs per item."""
     in_specs, out_specs, counts = [], [], []
@@ -748,7 +747,6 @@ def _run_batch(placement, items: Sequence[Item]):
     fn = jax.jit(jax.shard_map(body, mesh=placement.mesh, in_specs=tuple(in_specs),
                                out_specs=tuple(out_specs), check_vma=False))
     args = [p for it in items for p in it.phys]
-    # the cost is compile time, not run time: skip XLA's expensive backend passes
     flat = fn.lower(*args).compile(compiler_options=_FAST_COMPILE)(*args)
     res, pos = [], 0
     for _, no in counts:
@@ -831,17 +829,16 @@ def _worth_on_2d(c: Case) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _sweep(pname: str, everything: bool = FULL):
-    """{primitive: (n signatures checked, [failure messages])} for one placement."""
+def _sweep(pname: str, prims: tuple[str, ...], everything: bool = FULL):
+    """{primitive: (n signatures checked, [failure messages])} for some primitives on one placement."""
     ranks = {**PLACEMENTS, **FULL_PLACEMENTS}[pname]
     plc = jsbp.placement("cpu", ranks)
     rng = np.random.default_rng(0)
     items: list[Item] = []
     build_errors: dict[str, list[str]] = {}
-    _compute_references([c.traced for cs in CASES.values() for c in cs])
-    for prim in sorted(CASES):
-        if prim not in registered():
-            continue
+    prims = tuple(p for p in prims if p in CASES and p in registered())
+    _compute_references([c.traced for p in prims for c in CASES[p]])
+    for prim in prims:
         for c in CASES[prim]:
             if plc.ndim > 1 and not everything and not _worth_on_2d(c):
                 continue
@@ -885,6 +882,17 @@ def test_every_registered_primitive_has_a_validator():
         f"SBP rules without a validator entry in tests/test_rules.py CASES: {missing}. "
         "Add a case that traces the primitive (see CONTRIBUTING.md)."
     )
+
+
+def test_every_rule_has_a_docs_line():
+    """docs/rules.md lists every supported primitive (a new rule comes with its line)."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "rules.md").read_text()
+    named = set(re.findall(r"`([a-z_0-9-]+)`", text))
+    missing = sorted(p for p in list(registered()) + list(HANDLED_BY_COMPILER) if p not in named)
+    assert not missing, f"primitives with a rule but no line in docs/rules.md: {missing}"
 
 
 def test_every_case_traces_to_its_primitive():
@@ -956,29 +964,53 @@ def test_required_names_are_the_traced_ones(fn, want):
     assert want in registered()
 
 
-def _assert_valid(prim, pname):
-    n, errs = _sweep(pname).get(prim, (0, []))
-    assert not errs, f"{len(errs)} wrong signature(s) of '{prim}':\n" + "\n".join(errs[:8])
-    assert n > 0, f"no signature of '{prim}' was checked on placement {pname}"
+def _groups(n_groups: int = 10) -> list[tuple[str, ...]]:
+    """The validated primitives in groups of about equal work (one test, a few compiles each):
+    tests, not primitives, are what pytest-xdist spreads over workers."""
+    prims = [p for p in VALIDATED if p in CASES]
+    total = sum(len(CASES[p]) for p in prims)
+    groups, cur, acc = [], [], 0
+    for p in prims:
+        cur.append(p)
+        acc += len(CASES[p])
+        if acc >= total / n_groups:
+            groups.append(tuple(cur))
+            cur, acc = [], 0
+    if cur and groups and acc < total / n_groups / 2:
+        groups[-1] += tuple(cur)
+    elif cur:
+        groups.append(tuple(cur))
+    return groups
+
+
+GROUPS = _groups()
+
+
+def _assert_group_valid(pname, group):
+    results = _sweep(pname, group)
+    errs = []
+    for prim in group:
+        n, e = results.get(prim, (0, []))
+        if e:
+            errs.append(f"{len(e)} wrong signature(s) of '{prim}':\n" + "\n".join(e[:6]))
+        elif n == 0:
+            errs.append(f"no signature of '{prim}' was checked on placement {pname}")
+    assert not errs, "\n".join(errs)
 
 
 @pytest.mark.parametrize("pname", list(PLACEMENTS))
-@pytest.mark.parametrize("prim", VALIDATED)
-def test_rule(prim, pname):
-    if prim not in CASES:
-        pytest.fail(f"'{prim}' has an SBP rule but no validator case in CASES")
-    _assert_valid(prim, pname)
+@pytest.mark.parametrize("group", GROUPS, ids=[f"{g[0]}..{g[-1]}" for g in GROUPS])
+def test_rules(group, pname):
+    """Every signature of every rule in ``group`` gives the single-device value on ``pname``."""
+    _assert_group_valid(pname, group)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not FULL, reason="JSBP_FULL=1 runs the larger placements")
 @pytest.mark.parametrize("pname", list(FULL_PLACEMENTS))
-def test_rule_full(pname):
-    errs = []
-    for prim in VALIDATED:
-        n, e = _sweep(pname).get(prim, (0, []))
-        errs += e or ([] if n else [f"no signature of '{prim}' was checked"])
-    assert not errs, f"{len(errs)} wrong signature(s) on {pname}:\n" + "\n".join(errs[:12])
+@pytest.mark.parametrize("group", GROUPS, ids=[f"{g[0]}..{g[-1]}" for g in GROUPS])
+def test_rules_full(group, pname):
+    _assert_group_valid(pname, group)
 
 
 def test_validator_catches_a_wrong_rule(monkeypatch):
