@@ -29,6 +29,7 @@ import functools
 import math
 import os
 import random
+import sys
 import traceback
 import zlib
 from collections.abc import Callable, Sequence
@@ -111,6 +112,7 @@ def case(prim: str, fn: Callable, *args: Arg, dom: dict[int, str] | None = None,
     lst.append(Case(prim, fn, args, dom or {}, label or f"{prim}#{len(lst)} {shapes}"))
 
 
+# fmt: off
 EVEN, UNEVEN, TINY = (8, 4), (7, 5), (3, 5)  # TINY: 3 over 4 devices leaves one block empty
 
 # -- elementwise unary ----------------------------------------------------------------------
@@ -238,8 +240,9 @@ for _name, _fn in (("reduce_sum", lax.reduce_sum), ("reduce_max", lax.reduce_max
                 continue
             case(_name, lambda x, a=_axes, f=_fn: f(x, a), f32(*_shape, dom=dom))
     case(_name, lambda x, f=_fn: f(x, (1,)), Arg((6, 7, 3), "float32", dom))
-for _name in ("reduce_sum", "reduce_max", "reduce_min"):
-    case(_name, lambda x, f=getattr(lax, _name): f(x, (0,)), i32(*UNEVEN))
+for _name, _fn in (("reduce_sum", lax.reduce_sum), ("reduce_max", lax.reduce_max),
+                   ("reduce_min", lax.reduce_min)):
+    case(_name, lambda x, f=_fn: f(x, (0,)), i32(*UNEVEN))
 case("reduce_max", lambda x: lax.reduce_max(x, (0, 1)), f32(*UNEVEN, dom="neg"))  # padding != 0
 case("reduce_min", lambda x: lax.reduce_min(x, (0, 1)), f32(*UNEVEN, dom="pos"))
 for _name, _fn in (("reduce_and", lax.reduce_and), ("reduce_or", lax.reduce_or)):
@@ -374,6 +377,7 @@ case("threefry2x32", _threefry, u32(*UNEVEN), u32(*UNEVEN), u32(*UNEVEN), u32(*U
 case("threefry2x32", _threefry, u32(*EVEN), u32(*EVEN), u32(*EVEN), u32(*EVEN))
 case("rng_bit_generator", lambda k: lax.rng_bit_generator(k, UNEVEN), u32(4))
 case("rng_bit_generator", lambda k: lax.rng_bit_generator(k, EVEN), u32(4))
+# fmt: on
 
 
 # -------------------------------------------------------------------------------------------
@@ -419,7 +423,10 @@ class Traced:
     def logical(self) -> list[np.ndarray]:
         """One logical value per operand, drawn once (seeded by the equation's text)."""
         rng = np.random.default_rng(zlib.crc32(str(self.eqn).encode()))
-        return [_draw(rng, v.aval, self.doms[k], self.consts.get(k)) for k, v in enumerate(self.eqn.invars)]
+        return [
+            _draw(rng, v.aval, self.doms[k], self.consts.get(k))
+            for k, v in enumerate(self.eqn.invars)
+        ]
 
     @property
     def reference(self) -> list[np.ndarray]:
@@ -432,10 +439,15 @@ class Traced:
 
     def _reference_fn(self):
         def run(*xs):
-            args = [jax.random.wrap_key_data(x) if _is_key(v.aval) else x
-                    for v, x in zip(self.eqn.invars, xs)]
+            args = [
+                jax.random.wrap_key_data(x) if _is_key(v.aval) else x
+                for v, x in zip(self.eqn.invars, xs)
+            ]
             outs = jcore.jaxpr_as_fun(self.closed)(*args)
-            return [jax.random.key_data(o) if _is_key(v.aval) else o for v, o in zip(self.eqn.outvars, outs)]
+            return [
+                jax.random.key_data(o) if _is_key(v.aval) else o
+                for v, o in zip(self.eqn.outvars, outs)
+            ]
 
         return run
 
@@ -444,14 +456,14 @@ def _compute_references(traced: Sequence[Traced], chunk: int = 120):
     """Single-device results of many equations, many per compile (one device)."""
     todo = [t for t in traced if t._reference is None]
     for start in range(0, len(todo), chunk):
-        part = todo[start: start + chunk]
+        part = todo[start : start + chunk]
         fns = [t._reference_fn() for t in part]
 
         def run_all(*flat, fns=fns, part=part):
             outs, pos = [], 0
             for fn, t in zip(fns, part):
                 n = len(t.eqn.invars)
-                outs.append(fn(*flat[pos: pos + n]))
+                outs.append(fn(*flat[pos : pos + n]))
                 pos += n
             return outs
 
@@ -465,7 +477,9 @@ def _compute_references(traced: Sequence[Traced], chunk: int = 120):
 def _extract(c: Case) -> Traced:
     closed = jax.make_jaxpr(c.fn)(*[_abstract(a) for a in c.args])
     found = _find(closed.jaxpr, c.prim, list(closed.jaxpr.invars))
-    assert found is not None, f"{c.label}: traced to {[e.primitive.name for e in closed.jaxpr.eqns]}, not {c.prim}"
+    assert found is not None, (
+        f"{c.label}: traced to {[e.primitive.name for e in closed.jaxpr.eqns]}, not {c.prim}"
+    )
     eqn, top = found
     invars, doms, consts = [], [], {}
     for k, v in enumerate(eqn.invars):
@@ -565,8 +579,8 @@ def _draw(rng: np.random.Generator, aval, dom: str | None, const=None) -> np.nda
         x = rng.uniform(0.5, 2.0, shape) * rng.choice([-1, 1], shape)
     elif dom == "special":
         x = rng.standard_normal(shape)
-        x.flat[:: 3] = np.inf
-        x.flat[1:: 5] = np.nan
+        x.flat[::3] = np.inf
+        x.flat[1::5] = np.nan
     else:
         x = rng.standard_normal(shape)
     return x.astype(dt)
@@ -676,7 +690,10 @@ def _read_output(placement, lay, aval, arr, close) -> tuple[np.ndarray | None, s
         region = np.ix_(*idx) if idx else ()
         prev = seen[k][region]
         if prev.any() and not close(sums[k][region], blk):
-            return None, f"device {c} disagrees with another device holding the same block (a B axis)"
+            return (
+                None,
+                f"device {c} disagrees with another device holding the same block (a B axis)",
+            )
         sums[k][region] = blk
         seen[k][region] = True
     for k, s in seen.items():
@@ -691,13 +708,21 @@ def _closeness(aval, eqn):
     inputs are rounded), exact for integers, bools and key data."""
     dt = _np_dtype(aval)
     if _inexact(dt):
-        narrow = any(_inexact(_np_dtype(v.aval)) and _np_dtype(v.aval).itemsize <= 2
-                     for v in list(eqn.invars) + [v for v in eqn.outvars])
+        narrow = any(
+            _inexact(_np_dtype(v.aval)) and _np_dtype(v.aval).itemsize <= 2
+            for v in list(eqn.invars) + [v for v in eqn.outvars]
+        )
         tol = 2e-2 if narrow else 1e-4
-        return lambda a, b: a.shape == b.shape and np.allclose(
-            np.asarray(a, np.complex128 if np.iscomplexobj(a) else np.float64),
-            np.asarray(b, np.complex128 if np.iscomplexobj(b) else np.float64),
-            rtol=tol, atol=tol, equal_nan=True)
+        return lambda a, b: (
+            a.shape == b.shape
+            and np.allclose(
+                np.asarray(a, np.complex128 if np.iscomplexobj(a) else np.float64),
+                np.asarray(b, np.complex128 if np.iscomplexobj(b) else np.float64),
+                rtol=tol,
+                atol=tol,
+                equal_nan=True,
+            )
+        )
     return lambda a, b: a.shape == b.shape and np.array_equal(a, b)
 
 
@@ -716,54 +741,74 @@ class Item:
 
 def _sig_str(sig):
     ins, outs = sig
-    return f"({', '.join(_sbp.nd_str(x) for x in ins)}) -> ({', '.join(_sbp.nd_str(x) for x in outs)})"
+    return (
+        f"({', '.join(_sbp.nd_str(x) for x in ins)}) -> ({', '.join(_sbp.nd_str(x) for x in outs)})"
+    )
 
 
 def _prepare(placement, item: Item, rng):
     t = item.case.traced
     ins, outs = item.sig
     item.prog = forced_program(placement, t.closed, ins, outs)
-    item.phys = [_make_input(placement, lay, v.aval, x, rng)
-                 for lay, v, x in zip(item.prog.in_layouts, t.eqn.invars, t.logical)]
+    item.phys = [
+        _make_input(placement, lay, v.aval, x, rng)
+        for lay, v, x in zip(item.prog.in_layouts, t.eqn.invars, t.logical)
+    ]
 
 
 def _run_batch(placement, items: Sequence[Item]):
     """Run every item's program in one jitted shard_map; returns the outputs per item."""
     in_specs, out_specs, counts = [], [], []
     for it in items:
-        in_specs += [l.spec for l in it.prog.in_layouts]
-        out_specs += [l.spec for l in it.prog.out_layouts]
+        in_specs += [lay.spec for lay in it.prog.in_layouts]
+        out_specs += [lay.spec for lay in it.prog.out_layouts]
         counts.append((len(it.prog.in_layouts), len(it.prog.out_layouts)))
 
     def body(*xs):
         outs, pos = [], 0
         for it, (ni, _) in zip(items, counts):
-            loc = [x[0] if l.partial_axes else x for x, l in zip(xs[pos: pos + ni], it.prog.in_layouts)]
+            loc = [
+                x[0] if lay.partial_axes else x
+                for x, lay in zip(xs[pos : pos + ni], it.prog.in_layouts)
+            ]
             pos += ni
             res = run_program(it.prog, loc)
-            outs += [o[None] if l.partial_axes else o for o, l in zip(res, it.prog.out_layouts)]
+            outs += [o[None] if lay.partial_axes else o for o, lay in zip(res, it.prog.out_layouts)]
         return tuple(outs)
 
-    fn = jax.jit(jax.shard_map(body, mesh=placement.mesh, in_specs=tuple(in_specs),
-                               out_specs=tuple(out_specs), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=placement.mesh,
+            in_specs=tuple(in_specs),
+            out_specs=tuple(out_specs),
+            check_vma=False,
+        )
+    )
     args = [p for it in items for p in it.phys]
     flat = fn.lower(*args).compile(compiler_options=_FAST_COMPILE)(*args)
     res, pos = [], 0
     for _, no in counts:
-        res.append(list(flat[pos: pos + no]))
+        res.append(list(flat[pos : pos + no]))
         pos += no
     return res
 
 
 def _check(placement, item: Item, outs) -> str | None:
     t = item.case.traced
-    for i, (lay, v, out, want) in enumerate(zip(item.prog.out_layouts, t.eqn.outvars, outs, t.reference)):
+    for i, (lay, v, out, want) in enumerate(
+        zip(item.prog.out_layouts, t.eqn.outvars, outs, t.reference)
+    ):
         close = _closeness(v.aval, t.eqn)
         got, err = _read_output(placement, lay, v.aval, out, close)
         if err:
             return f"output {i}: {err}"
         if not close(got, want):
-            bad = np.argwhere(~np.isclose(got, want, equal_nan=True)) if got.shape == want.shape and got.dtype.kind in "fc" else None
+            bad = (
+                np.argwhere(~np.isclose(got, want, equal_nan=True))
+                if got.shape == want.shape and got.dtype.kind in "fc"
+                else None
+            )
             where = f" first bad index {tuple(bad[0])}" if bad is not None and len(bad) else ""
             return f"output {i}: wrong value{where}\n got  {np.array2string(got, threshold=40)}\n want {np.array2string(want, threshold=40)}"
     return None
@@ -800,8 +845,11 @@ def _validate(placement, items: list[Item]) -> dict[int, str]:
 # -------------------------------------------------------------------------------------------
 
 PLACEMENTS = {"4": [0, 1, 2, 3], "2x2": [[0, 1], [2, 3]]}
-FULL_PLACEMENTS = {"8": list(range(8)), "2x4": [[0, 1, 2, 3], [4, 5, 6, 7]],
-                   "2x2x2": [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]}
+FULL_PLACEMENTS = {
+    "8": list(range(8)),
+    "2x4": [[0, 1, 2, 3], [4, 5, 6, 7]],
+    "2x2x2": [[[0, 1], [2, 3]], [[4, 5], [6, 7]]],
+}
 SAMPLE_OFF_DIAGONAL = 3  # default run, 2-d placements: mixed signatures sampled per case
 SAMPLE_3D = 12  # signatures per case on (2, 2, 2), where the product explodes
 BATCH = 160  # programs per compile
@@ -817,18 +865,22 @@ def _sample(sigs, ndim: int, label: str, everything: bool):
         return sigs if len(sigs) <= SAMPLE_3D else rnd.sample(sigs, SAMPLE_3D)
     diag = [s for s in sigs if all(len(set(nd)) == 1 for nd in s[0] + s[1])]
     mixed = [s for s in sigs if s not in diag]
-    return diag + (mixed if len(mixed) <= SAMPLE_OFF_DIAGONAL else rnd.sample(mixed, SAMPLE_OFF_DIAGONAL))
+    return diag + (
+        mixed if len(mixed) <= SAMPLE_OFF_DIAGONAL else rnd.sample(mixed, SAMPLE_OFF_DIAGONAL)
+    )
 
 
 def _worth_on_2d(c: Case) -> bool:
     """Default run on 2-d placements: the cases whose shapes split unevenly somewhere (stricter
     than the even ones, which (4,) covers); a primitive with no such case keeps all of its own."""
+
     def uneven(case):
         return any(n % 4 for a in case.args for n in a.shape) or not case.args
+
     return uneven(c) or not any(uneven(o) for o in CASES[c.prim])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sweep(pname: str, prims: tuple[str, ...], everything: bool = FULL):
     """{primitive: (n signatures checked, [failure messages])} for some primitives on one placement."""
     ranks = {**PLACEMENTS, **FULL_PLACEMENTS}[pname]
@@ -902,6 +954,7 @@ def test_every_case_traces_to_its_primitive():
 
 
 # The issue's list, by the primitive names JAX 0.10.2 really traces to.
+# fmt: off
 REQUIRED = {
     "dot_general": "dot_general", "add": "add", "add_any": "add_any", "sub": "sub", "mul": "mul",
     "div": "div", "neg": "neg", "integer_pow": "integer_pow", "pow": "pow", "sqrt": "sqrt",
@@ -928,6 +981,7 @@ REQUIRED = {
     "jit": "jit", "custom_jvp_call": "custom_jvp_call", "custom_vjp_call": "custom_vjp_call",
     "remat": "checkpoint", "scan": "scan", "while": "while", "cond": "cond",
 }
+# fmt: on
 
 
 def test_required_primitives_have_rules():
@@ -1047,4 +1101,48 @@ def test_validator_catches_a_wrong_rule(monkeypatch):
     assert ("log", "((Pmax)) -> ((Pmax))") in bad
     assert ("reduce_sum", "((S(0))) -> ((P))") in bad
     good = [it for i, it in enumerate(items) if i not in errors]
-    assert any(it.case.prim == "exp" for it in good) and any(it.case.prim == "reduce_sum" for it in good)
+    assert any(it.case.prim == "exp" for it in good) and any(
+        it.case.prim == "reduce_sum" for it in good
+    )
+
+
+def _check_now(prim: str, pname: str = "4") -> tuple[int, dict[str, str]]:
+    """Validate every signature of ``prim``'s cases right now (uncached): (count, errors)."""
+    plc = jsbp.placement("cpu", PLACEMENTS[pname])
+    rng = np.random.default_rng(2)
+    items = []
+    for c in CASES[prim]:
+        for sig in candidate_signatures(plc, c.traced.eqn):
+            it = Item(c, sig)
+            _prepare(plc, it, rng)
+            items.append(it)
+    errors = _validate(plc, items)
+    return len(items), {
+        f"{items[i].case.label}: {_sig_str(items[i].sig)}": e for i, e in errors.items()
+    }
+
+
+def test_contributing_worked_example(monkeypatch):
+    """CONTRIBUTING.md's worked example runs as written, and its validator entry catches the bug
+    the guide warns about (a forgotten padding mask)."""
+    import pathlib
+    import re
+
+    from jsbp.rules import _registry
+
+    monkeypatch.setattr(_registry, "_RULES", dict(_registry._RULES))  # the example registers a rule
+    monkeypatch.setattr(sys.modules[__name__], "CASES", dict(CASES))
+    text = (pathlib.Path(__file__).resolve().parents[1] / "CONTRIBUTING.md").read_text()
+    rule_block, case_block = re.findall(r"```python\n(.*?)```", text, re.S)[:2]
+    ns: dict = {}
+    exec(compile(rule_block, "CONTRIBUTING.md", "exec"), ns)  # asserts P, no collectives, the value
+    exec(
+        compile(case_block, "CONTRIBUTING.md", "exec"),
+        {"case": case, "f32": f32, "rowsum_p": ns["rowsum_p"]},
+    )
+    n, errors = _check_now("rowsum")
+    assert n >= 9 and not errors, errors
+    rule = _registry._RULES["rowsum"]
+    monkeypatch.setitem(_registry._RULES, "rowsum", dataclasses.replace(rule, local=None))
+    _, errors = _check_now("rowsum")
+    assert any("(S(1))) -> ((P))" in k and "7, 5" in k for k in errors), errors

@@ -47,8 +47,9 @@ def rows_of(plan, primitive):
 
 
 def assert_close(out, ref, tol=1e-5):
-    np.testing.assert_allclose(np.asarray(out.numpy(), np.float64), np.asarray(ref, np.float64),
-                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+        np.asarray(out.numpy(), np.float64), np.asarray(ref, np.float64), rtol=tol, atol=tol
+    )
 
 
 # -------------------------------------------------------------------------------------------
@@ -74,7 +75,9 @@ MATMUL_2D = [
 
 
 @pytest.mark.parametrize("shape", [(8, 12, 4), (7, 5, 6)], ids=["even", "uneven"])
-@pytest.mark.parametrize("plc,xs,ws,want", [(P4, *r) for r in MATMUL_1D] + [(Q22, *r) for r in MATMUL_2D])
+@pytest.mark.parametrize(
+    "plc,xs,ws,want", [(P4, *r) for r in MATMUL_1D] + [(Q22, *r) for r in MATMUL_2D]
+)
 def test_matmul_signature_table(plc, xs, ws, want, shape):
     m, k, n = shape
     xv, wv = rand(m, k), rand(k, n)
@@ -86,16 +89,22 @@ def test_matmul_signature_table(plc, xs, ws, want, shape):
     assert_close(y, xv @ wv)
 
 
-@pytest.mark.parametrize("plc,a_nd,b_nd,want", [
-    (P4, "S(0)", "S(0)", "S(0)"),
-    (Q22, ("S(0)", "S(0)"), ("S(0)", "S(0)"), ("S(0)", "S(0)")),
-    (Q22, ("S(0)", "S(2)"), ("S(0)", "S(1)"), ("S(0)", "P")),  # batch x contraction
-    (Q22, ("S(0)", "S(1)"), ("S(0)", "B"), ("S(0)", "S(1)")),  # batch x rows
-])
+@pytest.mark.parametrize(
+    "plc,a_nd,b_nd,want",
+    [
+        (P4, "S(0)", "S(0)", "S(0)"),
+        (Q22, ("S(0)", "S(0)"), ("S(0)", "S(0)"), ("S(0)", "S(0)")),
+        (Q22, ("S(0)", "S(2)"), ("S(0)", "S(1)"), ("S(0)", "P")),  # batch x contraction
+        (Q22, ("S(0)", "S(1)"), ("S(0)", "B"), ("S(0)", "S(1)")),  # batch x rows
+    ],
+)
 def test_batched_matmul_splits_batch_dims_together(plc, a_nd, b_nd, want):
     av, bv = rand(5, 3, 6), rand(5, 6, 7)
-    y, _, coll = run(lambda a, b: jnp.einsum("bij,bjk->bik", a, b),
-                     jsbp.tensor(av, plc, a_nd), jsbp.tensor(bv, plc, b_nd))
+    y, _, coll = run(
+        lambda a, b: jnp.einsum("bij,bjk->bik", a, b),
+        jsbp.tensor(av, plc, a_nd),
+        jsbp.tensor(bv, plc, b_nd),
+    )
     assert sum(coll.values()) == 0
     assert y.sbp == parse(want, plc)
     assert_close(y, av @ bv)
@@ -103,7 +112,9 @@ def test_batched_matmul_splits_batch_dims_together(plc, a_nd, b_nd, want):
 
 def test_conv_splits_batch_and_output_features():
     xv, wv = rand(5, 3, 6, 6), rand(8, 3, 3, 3)
-    conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"))
+    conv = lambda x, w: jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW")
+    )
     ref = conv(jnp.asarray(xv), jnp.asarray(wv))
     y, _, coll = run(conv, jsbp.tensor(xv, Q22, ("S(0)", "B")), jsbp.tensor(wv, Q22, ("B", "S(0)")))
     assert y.sbp == parse(("S(0)", "S(1)"), Q22) and sum(coll.values()) == 0
@@ -123,9 +134,11 @@ def test_conv_splits_batch_and_output_features():
 def test_reduce_over_split_dim_is_partial(shape):
     xv = rand(*shape) - 3.0  # all negative: a padding zero would win a max
     x = jsbp.tensor(xv, P4, "S(0)")
-    for fn, kind, ref in ((lambda a: a.sum(0), sbp.partial_sum, xv.sum(0)),
-                          (lambda a: a.max(0), sbp.partial_max, xv.max(0)),
-                          (lambda a: a.min(0), sbp.partial_min, xv.min(0))):
+    for fn, kind, ref in (
+        (lambda a: a.sum(0), sbp.partial_sum, xv.sum(0)),
+        (lambda a: a.max(0), sbp.partial_max, xv.max(0)),
+        (lambda a: a.min(0), sbp.partial_min, xv.min(0)),
+    ):
         y, _, coll = run(fn, x)
         assert y.sbp == (kind,) and sum(coll.values()) == 0
         assert_close(y, ref)
@@ -175,7 +188,11 @@ def test_vocab_parallel_embedding_and_its_gradient():
 def test_vocab_parallel_embedding_on_2d_placement():
     table, idx = rand(9, 8), RNG.integers(0, 9, (6,)).astype(np.int32)
     # table rows over "dp" (vocab), columns over "tp": the output is (P, S(1))
-    y, _, coll = run(lambda t, i: t[i], jsbp.tensor(table, Q22, ("S(0)", "S(1)")), jsbp.tensor(idx, Q22, ("B", "B")))
+    y, _, coll = run(
+        lambda t, i: t[i],
+        jsbp.tensor(table, Q22, ("S(0)", "S(1)")),
+        jsbp.tensor(idx, Q22, ("B", "B")),
+    )
     assert y.sbp == parse(("P", "S(1)"), Q22) and sum(coll.values()) == 0
     np.testing.assert_array_equal(y.numpy(), table[idx])
 
@@ -193,8 +210,12 @@ def layer_norm(x):
     return (x - mu) * jax.lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
 
 
-NORMS = {"softmax": softmax, "log_softmax": log_softmax, "layer_norm": layer_norm,
-         "standardize": lambda x: jax.nn.standardize(x, axis=-1)}
+NORMS = {
+    "softmax": softmax,
+    "log_softmax": log_softmax,
+    "layer_norm": layer_norm,
+    "standardize": lambda x: jax.nn.standardize(x, axis=-1),
+}
 
 
 @pytest.mark.parametrize("name", list(NORMS))
@@ -221,7 +242,9 @@ def test_normalisation_over_the_split_dim_boxes(name, plc, nd):
 
 def test_uneven_mean_is_5_5():
     # DTensor's bug: mean of arange(12).reshape(3, 4) split S(0) over 2 devices must be 5.5
-    x = jsbp.tensor(np.arange(12.0, dtype=np.float32).reshape(3, 4), jsbp.placement("cpu", [0, 1]), sbp.split(0))
+    x = jsbp.tensor(
+        np.arange(12.0, dtype=np.float32).reshape(3, 4), jsbp.placement("cpu", [0, 1]), sbp.split(0)
+    )
     assert float(jsbp.jit(jnp.mean)(x).numpy()) == 5.5
 
 
@@ -263,7 +286,13 @@ def test_uneven_splits_are_exact(name, plc, nd):
 def test_empty_blocks_are_exact():
     xv = rand(3, 5) - 2.0  # 3 rows over 4 devices: the last block is empty
     x = jsbp.tensor(xv, P4, "S(0)")
-    for fn in (jnp.sum, jnp.max, lambda a: a.mean(0), lambda a: jax.nn.softmax(a, axis=0), lambda a: a.T @ a):
+    for fn in (
+        jnp.sum,
+        jnp.max,
+        lambda a: a.mean(0),
+        lambda a: jax.nn.softmax(a, axis=0),
+        lambda a: a.T @ a,
+    ):
         assert_close(run(fn, x)[0], np.asarray(fn(jnp.asarray(xv))), 1e-5)
 
 
@@ -326,8 +355,23 @@ def test_nonlinear_ops_box_partial_sums():
         (lambda a: a.astype(jnp.bfloat16), "S(1)", "S(1)"),
         (lambda a: jax.lax.top_k(a, 2)[0], "S(0)", "S(0)"),
     ],
-    ids=["elementwise", "transpose", "reshape", "flatten", "expand_dims", "concatenate", "pad", "slice", "rev",
-         "cumsum", "sort", "argmax", "clamp", "convert", "top_k"],
+    ids=[
+        "elementwise",
+        "transpose",
+        "reshape",
+        "flatten",
+        "expand_dims",
+        "concatenate",
+        "pad",
+        "slice",
+        "rev",
+        "cumsum",
+        "sort",
+        "argmax",
+        "clamp",
+        "convert",
+        "top_k",
+    ],
 )
 def test_shape_and_elementwise_ops_keep_splits(fn, nd, want):
     xv = rand(8, 5)
@@ -335,7 +379,11 @@ def test_shape_and_elementwise_ops_keep_splits(fn, nd, want):
     assert sum(coll.values()) == 0, coll
     assert out.sbp == parse(want, P4)
     ref = np.asarray(fn(jnp.asarray(xv)))
-    np.testing.assert_allclose(np.asarray(out.numpy(), np.float64), np.asarray(ref, np.float64), rtol=1e-2 if ref.dtype == jnp.bfloat16 else 1e-6)
+    np.testing.assert_allclose(
+        np.asarray(out.numpy(), np.float64),
+        np.asarray(ref, np.float64),
+        rtol=1e-2 if ref.dtype == jnp.bfloat16 else 1e-6,
+    )
 
 
 def test_random_values_do_not_depend_on_the_layout():

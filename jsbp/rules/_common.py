@@ -38,7 +38,7 @@ def valid_mask(lay: Layout, dims, ndim: int):
         n = jnp.asarray(sizes, jnp.int32)[dev]
         shape = [1] * ndim
         shape[d] = lay.local_shape[d]
-        m = (lax.broadcasted_iota(jnp.int32, tuple(shape), d) < n)
+        m = lax.broadcasted_iota(jnp.int32, tuple(shape), d) < n
         mask = m if mask is None else (mask & m)
     return mask
 

@@ -3,7 +3,9 @@ handled by the compiler itself (``jsbp._compiler``): call-like ones are inlined,
 fixed-point carry layout, cond branches are boxed to one output layout. This module lists them so
 the registry can report them as supported."""
 
+# fmt: off
 HANDLED_BY_COMPILER = (
     "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
     "custom_vjp_call_jaxpr", "remat", "checkpoint", "scan", "while", "cond", "jsbp_to_global",
 )
+# fmt: on

@@ -20,6 +20,7 @@ from .._sbp import Split
 from ._common import PMAX, PMIN, B, P
 from ._registry import register_sbp_rule
 
+# fmt: off
 UNARY = (
     "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "sin", "cos",
     "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "abs", "sign", "floor",
@@ -27,16 +28,23 @@ UNARY = (
     "square", "population_count", "clz", "reduce_precision",
     "bessel_i0e", "bessel_i1e",
 )
+# fmt: on
+# fmt: off
 MONOTONE = (  # non-decreasing and defined on every real number
     "exp", "exp2", "expm1", "tanh", "logistic", "cbrt", "atan", "sinh", "asinh", "erf", "floor",
     "ceil", "round", "sign", "reduce_precision",
 )
+# fmt: on
+# fmt: off
 LINEAR_UNARY = ("neg", "stop_gradient", "copy", "real", "imag", "conj")
+# fmt: off
 BINARY = (
     "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "and", "or", "xor",
     "eq", "ne", "lt", "le", "gt", "ge", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "nextafter", "igamma", "igammac", "polygamma", "zeta",
 )
+# fmt: on
+# fmt: on
 _KEEP_EXTREMES = [((PMAX,), PMAX), ((PMIN,), PMIN)]
 
 
@@ -46,7 +54,10 @@ def _elementwise(ctx, partial_sigs=()):
     shapes = ctx.in_shapes
     rank = max((len(s) for s in shapes), default=0)
     for d in range(rank):
-        yield tuple(Split(d) if len(s) == rank else B for s in shapes), (Split(d),) * len(ctx.out_avals)
+        yield (
+            tuple(Split(d) if len(s) == rank else B for s in shapes),
+            (Split(d),) * len(ctx.out_avals),
+        )
     yield (B,) * len(shapes), (B,) * len(ctx.out_avals)
     for ins, out in partial_sigs:
         yield ins, (out,) * len(ctx.out_avals)
@@ -61,7 +72,9 @@ def _float(dtype) -> bool:
 
 
 def _real(dtype) -> bool:
-    return not jnp.issubdtype(dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jax.dtypes.extended)
+    return not jnp.issubdtype(dtype, jnp.complexfloating) and not jnp.issubdtype(
+        dtype, jax.dtypes.extended
+    )
 
 
 @register_sbp_rule(*UNARY)

@@ -131,7 +131,10 @@ def _scatter_sigs(ctx):
             yield (P, B, P), (P,)
         # operand split on the single scattered dim (the vocab-parallel gradient): every device
         # applies the updates that land in its rows
-        if len(dn.scatter_dims_to_operand_dims) == 1 and dn.scatter_dims_to_operand_dims[0] in dn.inserted_window_dims:
+        if (
+            len(dn.scatter_dims_to_operand_dims) == 1
+            and dn.scatter_dims_to_operand_dims[0] in dn.inserted_window_dims
+        ):
             d = dn.scatter_dims_to_operand_dims[0]
             yield (Split(d), B, B), (Split(d),)
         # operand dims that are window dims taken whole stay split with the update's window dim
@@ -148,10 +151,14 @@ def _clip_global(idx, eqn):
     op_shape = eqn.invars[0].aval.shape
     upd_shape = eqn.invars[2].aval.shape
     batching = tuple(getattr(dn, "operand_batching_dims", ()))
-    kept = [d for d in range(len(op_shape)) if d not in dn.inserted_window_dims and d not in batching]
+    kept = [
+        d for d in range(len(op_shape)) if d not in dn.inserted_window_dims and d not in batching
+    ]
     window = {d: upd_shape[w] for d, w in zip(kept, dn.update_window_dims)}
-    cols = [jnp.clip(idx[..., k], 0, max(op_shape[od] - window.get(od, 1), 0))
-            for k, od in enumerate(dn.scatter_dims_to_operand_dims)]
+    cols = [
+        jnp.clip(idx[..., k], 0, max(op_shape[od] - window.get(od, 1), 0))
+        for k, od in enumerate(dn.scatter_dims_to_operand_dims)
+    ]
     return jnp.stack(cols, axis=-1).astype(idx.dtype)
 
 

@@ -12,9 +12,11 @@ from .._sbp import Split
 from ._common import B
 from ._registry import register_sbp_rule
 
+# fmt: off
 WHOLE = (
     "random_seed", "random_bits", "random_split", "random_fold_in", "rng_bit_generator",
 )
+# fmt: on
 KEY_DATA = ("random_wrap", "random_unwrap", "random_clone")
 
 

@@ -69,4 +69,3 @@ def _cumulative(ctx):
     yield (B,), (B,)
     if ctx.primitive.name == "cumsum":
         yield (P,), (P,)
-

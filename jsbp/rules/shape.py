@@ -42,10 +42,8 @@ def _bcast_local(st, ins):
     params["shape"] = _out_local_shape(st)
     if "sharding" in params:
         params["sharding"] = None
-    x = ins[0]
-    bd = params["broadcast_dimensions"]
     # an operand dim that is broadcast (size 1) stays size 1 locally; a kept split dim is local already
-    return st.eqn.primitive.bind(x, *ins[1:], **params)
+    return st.eqn.primitive.bind(*ins, **params)
 
 
 register_sbp_rule("broadcast_in_dim", local=_bcast_local)(_bcast_sigs)
