@@ -947,6 +947,14 @@ def test_every_rule_has_a_docs_line():
     assert not missing, f"primitives with a rule but no line in docs/rules.md: {missing}"
 
 
+def test_compiler_handled_list_is_the_compilers():
+    """control.HANDLED_BY_COMPILER (what docs and the registry report) is what the compiler handles."""
+    from jsbp import _compiler
+
+    assert set(HANDLED_BY_COMPILER) == set(_compiler._HIGHER_ORDER)
+    assert not set(HANDLED_BY_COMPILER) & set(registered())
+
+
 def test_every_case_traces_to_its_primitive():
     for prim, cases in CASES.items():
         for c in cases:

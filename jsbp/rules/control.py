@@ -6,6 +6,7 @@ the registry can report them as supported."""
 # fmt: off
 HANDLED_BY_COMPILER = (
     "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-    "custom_vjp_call_jaxpr", "remat", "checkpoint", "scan", "while", "cond", "jsbp_to_global",
+    "custom_vjp_call_jaxpr", "custom_lin", "remat", "checkpoint", "scan", "while", "cond",
+    "jsbp_to_global",
 )
 # fmt: on
