@@ -73,6 +73,17 @@ def main(argv=None) -> int:
             flush=True,
         )
     print(table(results))
+    sm = [r for r in results if "shard_map_ms" in r]
+    if sm:
+        print(
+            "\n| strategy | jsbp step (ms, median) | hand-written jax.shard_map step (ms, median) | ratio | "
+            "shard_map collectives / step |\n|---|---|---|---|---|"
+        )
+        for r in sm:
+            print(
+                f"| {r['name']} | {r['jsbp_ms_vs_shard_map']:.2f} | {r['shard_map_ms']:.2f} | "
+                f"{r['shard_map_ratio']:.3f} | {_fmt_coll(r['shard_map_coll'])} |"
+            )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
@@ -107,17 +118,21 @@ def table(results) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def _median_ms(fn, state, batch, steps, warmup):
+def _interleaved_medians(fns, states, batches, steps, warmup):
+    """Median step time of each function, alternating them step by step so that a busy machine
+    slows both sides alike."""
     import jax
 
-    times = []
+    times = [[] for _ in fns]
+    states = list(states)
     for i in range(warmup + steps):
-        t = time.perf_counter()
-        state, loss = fn(state, batch)
-        jax.block_until_ready(loss)
-        if i >= warmup:
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times), state
+        for k, (fn, batch) in enumerate(zip(fns, batches)):
+            t = time.perf_counter()
+            states[k], loss = fn(states[k], batch)
+            jax.block_until_ready(loss)
+            if i >= warmup:
+                times[k].append((time.perf_counter() - t) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def bench_one(tg, cfg, corpus, parallel, zero, accum, args):
@@ -143,14 +158,14 @@ def bench_one(tg, cfg, corpus, parallel, zero, accum, args):
         return state, loss.physical
 
     jsbp_coll = count_collectives(fn, state, batch)
-    jsbp_ms, _ = _median_ms(run_jsbp, state, batch, args.steps, args.warmup)
 
     # ---- hand-written: NamedSharding + jax.jit --------------------------------------------
     hand_fn, hstate, hbatch = hand_written(tg, cfg, strategy, accum, host_batch)
     hand_coll = collectives_in_hlo(hand_fn.lower(hstate, hbatch).compile().as_text())
-    hand_ms, _ = _median_ms(hand_fn, hstate, hbatch, args.steps, args.warmup)
-    del jsbp, np
-    return {
+    jsbp_ms, hand_ms = _interleaved_medians(
+        [run_jsbp, hand_fn], [state, hstate], [batch, hbatch], args.steps, args.warmup
+    )
+    out = {
         "parallel": parallel,
         "zero": zero,
         "accum": accum,
@@ -160,6 +175,43 @@ def bench_one(tg, cfg, corpus, parallel, zero, accum, args):
         "jsbp_coll": jsbp_coll,
         "hand_coll": hand_coll,
     }
+    if zero == 0 and accum == 1 and set(strategy.placement.axis_names) == {"dp"}:
+        # diagnostic: plain data parallelism written by hand with jax.shard_map (what jsbp emits)
+        sm_fn, sstate, sbatch = hand_shard_map_dp(tg, cfg, strategy, host_batch)
+        out["shard_map_coll"] = collectives_in_hlo(sm_fn.lower(sstate, sbatch).compile().as_text())
+        jsbp_ms2, sm_ms = _interleaved_medians(
+            [run_jsbp, sm_fn], [state, sstate], [batch, sbatch], args.steps, args.warmup
+        )
+        out.update(
+            jsbp_ms_vs_shard_map=jsbp_ms2, shard_map_ms=sm_ms, shard_map_ratio=jsbp_ms2 / sm_ms
+        )
+    del jsbp, np
+    return out
+
+
+def hand_shard_map_dp(tg, cfg, strategy, host_batch):
+    """Data parallelism by hand with ``jax.shard_map``: local loss, ``pmean`` of the gradients."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as PS
+
+    mesh, axis = strategy.placement.mesh, strategy.data_axis
+    graphdef, state = nnx.split(tg.init(cfg, 0))
+    state = jax.device_put(state, NamedSharding(mesh, PS()))
+    batch = jax.device_put(jnp.asarray(host_batch), NamedSharding(mesh, PS(axis)))
+
+    def body(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(tg.loss_fn)(model, batch)
+        optimizer.update(model, jax.lax.pmean(grads, axis))
+        return nnx.state((model, optimizer)), jax.lax.pmean(loss, axis)
+
+    sm = jax.shard_map(
+        body, mesh=mesh, in_specs=(PS(), PS(axis)), out_specs=(PS(), PS()), check_vma=False
+    )
+    return jax.jit(sm), state, batch
 
 
 def hand_written(tg, cfg, strategy, accum, host_batch):

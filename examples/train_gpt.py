@@ -407,19 +407,25 @@ def main(argv=None) -> int:
             bar.set_postfix(loss=f"{loss:.4f}")
 
     t0 = time.perf_counter()
-    run = train(
-        axes,
-        zero=args.zero,
-        accum=args.accum,
-        steps=args.steps,
-        seed=args.seed,
-        batch=args.batch,
-        lr=args.lr,
-        cfg=cfg,
-        corpus=corpus,
-        on_step=on_step,
-        on_start=on_start,
-    )
+    try:
+        run = train(
+            axes,
+            zero=args.zero,
+            accum=args.accum,
+            steps=args.steps,
+            seed=args.seed,
+            batch=args.batch,
+            lr=args.lr,
+            cfg=cfg,
+            corpus=corpus,
+            on_step=on_step,
+            on_start=on_start,
+        )
+    except jsbp.SbpError as e:
+        if bar is not None:
+            bar.close()
+        print(f"train_gpt.py: {e}", file=sys.stderr)
+        return 2
     if bar is not None:
         bar.close()
     show(

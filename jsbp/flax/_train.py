@@ -189,7 +189,13 @@ class TrainStep:
         return outs[:-1], outs[-1]
 
     def _compiled(self, graphdef, state, batch):
-        key = graphdef
+        # one program per model structure and state layouts (the outputs keep the input layouts)
+        key = (
+            graphdef,
+            tuple(
+                x.sbp if _is_global(x) else None for x in jax.tree.leaves(state, is_leaf=_is_global)
+            ),
+        )
         fn = self._cache.get(key)
         if fn is not None:
             return fn
