@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _sbp
+from . import _sbp, _trace
 from ._boxing import make_local_boxer
 from ._errors import PlacementError, SbpError
 from ._layout import Layout, balanced, layout_of, normalise_nd, offsets
@@ -119,6 +119,10 @@ class GlobalTensor:
         ``grad_sbp`` sets the layout the gradient of the result is converted to in the backward
         pass before it flows back to this tensor (OneFlow's Megatron "f"/"g" idiom).
         """
+        if placement is None and grad_sbp is None:
+            hit = _eager_boxer(self, sbp)
+            if hit is not None:
+                return GlobalTensor(hit[1](self._value), hit[0])
         return to_global(self, placement, sbp, grad_sbp=grad_sbp)
 
     def to_local(self) -> list[jax.Array]:
@@ -384,6 +388,45 @@ def _box_bwd(src, dst, grad, _, ct):
 box.defvjp(_box_fwd, _box_bwd)
 
 
+# Eager ``x.to_global(sbp=...)`` on x's own placement is the hot path of eager code. A hit here
+# replaces parsing, two cache lookups that hash Layouts, and the checks of ``to_global`` with one
+# dict lookup; it is keyed by the source layout's id (the entry keeps the layout alive and is
+# only used when it holds that very object), the sbp as spelled, and the dtype.
+_EAGER_BOXERS: dict = {}
+
+
+def _eager_boxer(x: GlobalTensor, sbp):
+    """(dst layout, compiled boxer) remembered for an eager ``x.to_global(sbp=sbp)``, or None."""
+    value = x._value
+    if isinstance(value, jax.core.Tracer):
+        return None
+    try:
+        hit = _EAGER_BOXERS.get((id(x._layout), sbp, getattr(value, "dtype", None)))
+    except TypeError:  # an unhashable spelling of the sbp (a list)
+        return None
+    if hit is None or hit[0] is not x._layout:
+        return None
+    if _trace.current_tracer() is not None:  # inside jsbp.jit: the compiler handles to_global
+        return None
+    return hit[1], hit[2]
+
+
+def _remember_eager_boxer(x: GlobalTensor, sbp, dst: Layout) -> None:
+    lay = x._layout
+    if dst.placement != lay.placement or dst == lay or math.prod(lay.shape) == 0:
+        return
+    dtype = x._value.dtype
+    try:
+        key = (id(lay), sbp, dtype)
+        hash(key)
+    except TypeError:
+        return
+    if len(_EAGER_BOXERS) >= 4096:
+        _EAGER_BOXERS.clear()
+    fn, _ = _same_placement_boxer(lay, dst, np.dtype(dtype))
+    _EAGER_BOXERS[key] = (lay, dst, fn)
+
+
 @functools.lru_cache(maxsize=4096)
 def _to_global_nd_cached(sbp, shape, plc):
     return normalise_nd(sbp, shape, plc, op="to_global")
@@ -440,6 +483,8 @@ def to_global(x, placement=None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
     if tr is not None:
         return tr.to_global(x, dst, grad)
     if not isinstance(x._value, jax.core.Tracer):  # eager, nothing to differentiate: skip custom_vjp
+        if placement is None and grad_sbp is None:
+            _remember_eager_boxer(x, sbp, dst)
         return GlobalTensor(_box_raw(x._value, lay, dst), dst)
     return GlobalTensor(box(x._value, lay, dst, grad), dst)
 
