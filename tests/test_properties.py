@@ -42,7 +42,7 @@ def _to_np(tree):
     return [np.asarray(t.numpy()) for t in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor))]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(__import__("os").environ.get("JSBP_HYPOTHESIS_EXAMPLES", "10")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_any_layouts_match_one_device(case):
     plc, name, dims, lays, seed = case
