@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=16, help="sequences per optimizer step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    ap.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (pp > 1)")
+    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"), help="pipeline schedule (pp > 1)")
+    ap.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps (with --ckpt-dir)")
+    ap.add_argument("--ckpt-dir", default=None, help="directory for --save-every checkpoints")
+    ap.add_argument("--resume", default=None, help="resume from the newest checkpoint in this directory (any --parallel)")
     return ap
 
 
@@ -320,6 +325,9 @@ def train(
     corpus: Corpus | None = None,
     on_step=None,
     on_start=None,
+    save_every: int = 0,
+    ckpt_dir: str | None = None,
+    resume: str | None = None,
 ) -> Run:
     """Train ``steps`` optimizer steps; returns the per-step losses and the final (gathered) model."""
     if isinstance(parallel, str):
@@ -332,16 +340,33 @@ def train(
         model, optimizer = jflax.shard((model, optimizer), strategy)
     step = jflax.make_train_step(loss_fn, strategy, accum=accum)
     data = corpus.batches(seed, batch, cfg.seq)
+    start = 0
+    if resume is not None:  # logical values come back in THIS run's layouts, whatever the saved ones
+        import jsbp.checkpoint as ckpt
+
+        start = ckpt.latest_step(resume)
+        if start is None:
+            raise jsbp.SbpError(f"--resume {resume}: no complete checkpoint in that directory")
+        target = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+        loaded = ckpt.load_step(resume, start, target)
+        nnx.update(model, loaded["model"])
+        nnx.update(optimizer, loaded["optimizer"])
+        for _ in range(start):  # the same data order as an uninterrupted run
+            next(data)
     if on_start is not None:
         on_start(step, model, optimizer, next(corpus.batches(seed, batch, cfg.seq)))
     losses = []
     t0 = time.perf_counter()
-    for i in range(steps):
+    for i in range(start, steps):
         loss = step(model, optimizer, next(data))
         value = float(loss.numpy() if isinstance(loss, jsbp.GlobalTensor) else loss)
         losses.append(value)
         if on_step is not None:
             on_step(i, value)
+        if save_every and ckpt_dir and (i + 1) % save_every == 0:
+            import jsbp.checkpoint as ckpt
+
+            ckpt.save_step(ckpt_dir, i + 1, {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
     seconds = time.perf_counter() - t0
     plain = jflax.gather(model) if strategy is not None else model
     return Run(losses, plain, step, (model, optimizer), seconds)
@@ -364,7 +389,20 @@ def sample(model: GPT, corpus: Corpus, prompt: str, n: int) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     axes = parse_parallel(args.parallel)
-    configure_devices(math.prod(axes.values()) if axes else 1)
+    if axes.get("pp", 1) > 1:  # pipeline parallelism lives in its own driver (jsbp.pipeline)
+        if args.microbatches is None:
+            print("train_gpt.py: --parallel with pp > 1 needs --microbatches N", file=sys.stderr)
+            return 2
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import train_gpt_pipeline
+
+        fwd = ["--parallel", args.parallel, "--microbatches", str(args.microbatches), "--schedule", args.schedule,
+               "--steps", str(args.steps), "--seed", str(args.seed), "--batch", str(args.batch), "--lr", str(args.lr)]
+        return train_gpt_pipeline.main(fwd + (["--json"] if args.json else []))
+    if "WORLD_SIZE" in os.environ:  # started by python -m jsbp.launch (or torchrun-style variables)
+        jsbp.distributed.initialize()
+    else:
+        configure_devices(math.prod(axes.values()) if axes else 1)
     out = sys.stderr if args.json else sys.stdout
 
     def show(text=""):
@@ -420,6 +458,9 @@ def main(argv=None) -> int:
             corpus=corpus,
             on_step=on_step,
             on_start=on_start,
+            save_every=args.save_every,
+            ckpt_dir=args.ckpt_dir,
+            resume=args.resume,
         )
     except jsbp.SbpError as e:
         if bar is not None:

@@ -297,17 +297,22 @@ def _unsplit_dim0(nd):
 
 
 def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], n_carry_out_offset=0):
-    """Fixed point for loop carries: try the init layouts, then the body's outputs once."""
-    sub = make_sub(carry_init)
-    outs = sub.out_layouts[n_carry_out_offset: n_carry_out_offset + len(carry_init)]
-    if all(o.nd_sbp == c.nd_sbp for o, c in zip(outs, carry_init)):
-        return carry_init, sub
-    trial = list(outs)
-    sub2 = make_sub(trial)
-    outs2 = sub2.out_layouts[n_carry_out_offset: n_carry_out_offset + len(trial)]
-    if all(o.nd_sbp == c.nd_sbp for o, c in zip(outs2, trial)):
-        return trial, sub2
-    return carry_init, sub
+    """Fixed point for loop carries. ``make_sub(carry, force)`` infers the body with the given carry
+    layouts; ``force`` boxes the carry outputs back to them. Try the init layouts, then the layouts
+    the body produces on its own (e.g. a P accumulator), else force the init layouts."""
+    n = len(carry_init)
+
+    def outs_of(sub):
+        return sub.out_layouts[n_carry_out_offset: n_carry_out_offset + n]
+
+    free = make_sub(carry_init, False)
+    if all(o.nd_sbp == c.nd_sbp for o, c in zip(outs_of(free), carry_init)):
+        return list(carry_init), free
+    trial = list(outs_of(free))
+    free2 = make_sub(trial, False)
+    if all(o.nd_sbp == c.nd_sbp for o, c in zip(outs_of(free2), trial)):
+        return trial, free2
+    return list(carry_init), make_sub(carry_init, True)
 
 
 def _infer_scan(inf: _Inference, eqn, cur):
@@ -325,10 +330,10 @@ def _infer_scan(inf: _Inference, eqn, cur):
         xs_need.append(want)
     x_slice = [inf.lay(_shift_split(l.nd_sbp, -1), bv.aval) for l, bv in zip(xs_need, closed.jaxpr.invars[nc + nk:])]
 
-    def make_sub(carry):
+    def make_sub(carry, force):
         body_out = [None] * (len(closed.jaxpr.outvars))
         for i in range(nk):
-            body_out[i] = carry[i].nd_sbp
+            body_out[i] = carry[i].nd_sbp if force else None
         return inf.program(closed.jaxpr, closed.consts, list(consts_l) + list(carry) + x_slice, out_nd=body_out)
 
     carry, sub = _infer_loop_carry(inf, make_sub, cur[nc: nc + nk])
@@ -346,8 +351,9 @@ def _infer_while(inf: _Inference, eqn, cur):
     cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
     cconsts, bconsts, init = cur[:cn], cur[cn: cn + bn], cur[cn + bn:]
 
-    def make_sub(carry):
-        return inf.program(bj.jaxpr, bj.consts, list(bconsts) + list(carry), out_nd=[c.nd_sbp for c in carry])
+    def make_sub(carry, force):
+        return inf.program(bj.jaxpr, bj.consts, list(bconsts) + list(carry),
+                           out_nd=[c.nd_sbp for c in carry] if force else None)
 
     carry, body = _infer_loop_carry(inf, make_sub, init)
     cond = inf.program(cj.jaxpr, cj.consts, list(cconsts) + list(carry), out_nd=[(B,) * inf.placement.ndim])

@@ -409,3 +409,15 @@ def test_missing_rule_names_the_primitive():
 def test_jit_needs_a_global_tensor():
     with pytest.raises(jsbp.SbpError, match="at least one GlobalTensor"):
         jsbp.jit(lambda x: x + 1)(np.ones(3))
+
+
+def test_scan_accumulator_stays_partial_inside_the_loop():
+    # gradient accumulation: a P accumulator must not be all-reduced every iteration
+    plc = jsbp.placement.all("cpu")
+    xv, wv = rand(4, 16, 3), rand(3, 3)
+    f = lambda x, w: jax.lax.scan(lambda a, xb: (a + (xb @ w).sum(0), None), jnp.zeros(3), x)[0]
+    x, w = gt(xv, plc, "S(1)"), gt(wv, plc, "B")
+    y = jsbp.jit(f)(x, w)
+    assert y.sbp == (sbp.partial_sum,)
+    np.testing.assert_allclose(y.numpy(), np.asarray(f(xv, wv)), rtol=1e-5, atol=1e-5)
+    assert sum(assert_plan_matches_program(f, x, w).values()) == 0
