@@ -196,7 +196,7 @@ def main() -> int:
     section("Summary")
     n_ok = sum(CHECKS)
     print(f"{n_ok}/{len(CHECKS)} checks match numpy; demo took {time.perf_counter() - _T0:.1f} s")
-    print("Next: README.md (the tour, jsbp.jit and jsbp.explain), docs/benchmarks.md")
+    print("Next: README.md (the tour, jsbp.jit, jsbp.explain), python examples/train_gpt.py")
     return 0 if all(CHECKS) else 1
 
 
