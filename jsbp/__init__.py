@@ -4,12 +4,19 @@ Say where a few tensors live (a ``placement``) and how they are laid out on it (
 jsbp runs the program on many devices, inserting the cheapest layout conversions (boxing).
 """
 
+from . import _ops  # noqa: F401  (eager operators on GlobalTensor)
 from . import debug as debug
 from . import distributed as distributed
 from . import env as env
+from . import numpy as numpy
 from . import sbp as sbp
 from ._errors import PlacementError as PlacementError
 from ._errors import SbpError as SbpError
+from ._explain import explain as explain
+from ._jit import jit as jit
+from ._mirrored import all_reduce as all_reduce
+from ._mirrored import mirrored as mirrored
+from ._mirrored import mirrored_mean as mirrored_mean
 from ._placement import placement as placement
 from ._tensor import GlobalTensor as GlobalTensor
 from ._tensor import arange as arange
@@ -22,12 +29,7 @@ from ._tensor import randn as randn
 from ._tensor import tensor as tensor
 from ._tensor import to_global as to_global
 from ._tensor import zeros as zeros
-from ._mirrored import all_reduce as all_reduce, mirrored as mirrored, mirrored_mean as mirrored_mean
-from ._jit import jit as jit
-from ._explain import explain as explain
 from .rules import register_sbp_rule as register_sbp_rule
-from . import numpy as numpy
-from . import _ops  # noqa: F401  (eager operators on GlobalTensor)
 
 __version__ = "0.1.0"
 

@@ -29,7 +29,6 @@ import heapq
 import itertools
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -295,7 +294,6 @@ def _chunk_table(parent_valid, chunk, k, L_child):
     rows = []
     for m, c in zip(parent_valid, chunk):
         sizes = _nested(m, k)
-        kk = len(sizes)
         off = offsets(sizes)[c]
         row = np.zeros(L_child, dtype=np.int64)
         row[: sizes[c]] = off + np.arange(sizes[c])
@@ -308,7 +306,6 @@ def _embed_table(parent_valid, chunk, k, L_parent):
     rows, masks = [], []
     for m, c in zip(parent_valid, chunk):
         sizes = _nested(m, k)
-        kk = len(sizes)
         off = offsets(sizes)[c]
         row = np.zeros(L_parent, dtype=np.int64)
         mask = np.zeros(L_parent, dtype=bool)

@@ -18,7 +18,6 @@ import itertools
 import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -158,7 +157,7 @@ class _Inference:
 
     def _program(self, jaxpr, consts, in_layouts, out_nd=None) -> Program:
         env: dict = {}
-        for v, c in zip(jaxpr.constvars, consts):
+        for v in jaxpr.constvars:
             env[v] = self.lay_b(v.aval)
         for v, lay in zip(jaxpr.invars, in_layouts):
             env[v] = lay

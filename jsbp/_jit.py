@@ -25,7 +25,7 @@ from ._errors import PlacementError, SbpError
 from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
 from ._tensor import GlobalTensor
-from ._trace import current_tracer, tracing
+from ._trace import tracing
 
 __all__ = ["jit", "JitFunction", "to_global_p"]
 
@@ -286,7 +286,7 @@ def _differentiable(entry: _Entry):
         grads = bwd_fn(*phys, *cts)
         out = []
         gi = iter(grads)
-        for i, (p, d) in enumerate(zip(phys, entry.in_dtypes)):
+        for i, p in enumerate(phys):
             if i in diff_idx:
                 out.append(next(gi))
             else:

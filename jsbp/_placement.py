@@ -24,7 +24,7 @@ def _normalise_type(type_: str) -> str:
     return _TYPE_ALIASES[type_.lower()]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _devices_of(type_: str) -> dict[int, jax.Device]:
     try:
         devs = jax.devices(type_)

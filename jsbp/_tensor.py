@@ -139,7 +139,7 @@ class GlobalTensor:
             )
         by_dev = {s.device: s for s in self._value.addressable_shards}
         out = []
-        for coord, dev, blk in zip(lay.coords, lay.placement.devices.reshape(-1), lay.blocks):
+        for dev, blk in zip(lay.placement.devices.reshape(-1), lay.blocks):
             shard = by_dev.get(dev)
             if shard is None:
                 continue
