@@ -141,3 +141,28 @@ def test_counts_several_collectives_in_one_program(n):
         return b.to_global(sbp="B")  # all-gather
 
     assert count_collectives(f, x) == _with(reduce_scatter=1, all_to_all=1, all_gather=1)
+
+
+def test_combined_all_reduce_counts_each_operand():
+    # XLA's all-reduce combiner fuses independent reductions; each operand is one planned collective
+    hlo = (
+        "%all-reduce.1 = (f32[64]{0}, f32[3,4]{1,0}, f32[2]{0}) all-reduce(f32[64]{0} %a, "
+        "f32[3,4]{1,0} %b, f32[2]{0} %c), channel_id=1, replica_groups={{0,1}}, to_apply=%add\n"
+    )
+    assert collectives_in_hlo(hlo) == _with(all_reduce=3)
+
+
+def test_fused_gradient_reductions_match_the_plan():
+    import jax
+    import jax.numpy as jnp
+
+    p = jsbp.placement.all("cpu")
+    params = [jsbp.tensor(np.ones((4 + i, 3), np.float32), p, "B") for i in range(5)]
+    x = jsbp.tensor(np.ones((8, 4), np.float32), p, "S(0)")
+
+    def step(ps, x):
+        g = jax.grad(lambda ps: sum(jnp.sum(jnp.tanh(x[:, :1] @ q[:1])) for q in ps))(ps)
+        return [q - 0.1 * gi for q, gi in zip(ps, g)]
+
+    f = jsbp.jit(step, out_sbp="B")
+    assert count_collectives(f, params, x) == jsbp.explain(f, params, x).collectives() == _with(all_reduce=5)

@@ -24,8 +24,36 @@ def collectives_in_hlo(hlo_text: str) -> dict[str, int]:
     # (XLA:CPU writes an all-to-all over 8 devices as a tuple of 8 pieces)
     text = _COMMENT_RE.sub("", hlo_text)
     for m in _OP_RE.finditer(text):
-        counts[m.group(1)] += 1
+        kind = m.group(1)
+        # XLA's combiners merge independent all-reduces (all-gathers, reduce-scatters) into one
+        # instruction with several operands; each operand is one planned collective. An
+        # all-to-all's tuple operands are the chunks of a single exchange: it counts once.
+        n = _n_operands(text, m.end()) if kind in _COMBINABLE else 1
+        counts[kind] += max(n, 1)
     return counts
+
+
+_COMBINABLE = ("all-reduce", "all-gather", "reduce-scatter")
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+def _n_operands(text: str, start: int) -> int:
+    """Number of top-level operands in the call whose argument list starts at ``start``."""
+    depth, n, seen = 0, 0, False
+    for ch in text[start:]:
+        if ch in _OPEN:
+            depth += 1
+        elif ch in _CLOSE:
+            if depth == 0:
+                return n + (1 if seen else 0)
+            depth -= 1
+        elif ch == "," and depth == 0:
+            n += 1
+            seen = False
+            continue
+        if not ch.isspace():
+            seen = True
+    return n + (1 if seen else 0)
 
 
 def count_collectives(fn, *args, **kwargs) -> dict[str, int]:
