@@ -1,0 +1,51 @@
+"""benchmarks/compiler.py runs end to end (``--quick``) and prints every table row.
+
+No timing assertions: the numbers depend on the machine and its load; this only checks that the
+benchmark still runs against the current jsbp (both contenders agree with one device — the script
+exits non-zero otherwise) and that its report has the rows the docs quote.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "compiler.py"
+
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+
+
+@pytest.mark.slow
+def test_compiler_benchmark_quick_prints_its_tables():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the script sets up its own 8 CPU devices
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    out = res.stdout
+    assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
+    for header in (
+        "## (a) train step",
+        "## (b) first call",
+        "## collectives per step",
+        "## (c) eager add",
+    ):
+        assert header in out, header
+    for layout in ("DP (dp=8)", "TP (tp=8)", "DPxTP (2x4)"):
+        # one row in each of the step, first-call and collectives tables
+        rows = [line for line in out.splitlines() if line.startswith(f"| {layout} |")]
+        assert len(rows) >= 3, (layout, rows)
+    assert "| jsbp `x + y` |" in out
+    assert "| `jax.jit(jnp.add)(a, b)` |" in out
+    assert "target(s) missed" in out
