@@ -442,6 +442,22 @@ def _to_global_nd(sbp, shape, plc):
     return _to_global_nd_cached(sbp, shape, plc)
 
 
+def target_layout(lay: Layout, placement, sbp, op: str) -> Layout:
+    """The layout ``to_global(placement, sbp)`` asks for (None keeps the current one)."""
+    plc = lay.placement if placement is None else placement
+    if not isinstance(plc, Placement):
+        raise PlacementError(f"{op}: placement must be a jsbp.placement, got {plc!r}.")
+    if sbp is None:
+        if plc.ndim != lay.placement.ndim:
+            raise SbpError(
+                f"{op}: the tensor of {lay.describe()} moves to a {plc.ndim}-d placement {plc}; "
+                "its sbp cannot be kept, so pass sbp= with one entry per axis of the new placement."
+            )
+        return layout_of(plc, lay.nd_sbp, lay.shape)
+    nd = _to_global_nd(sbp, lay.shape, plc) if op == "to_global" else normalise_nd(sbp, lay.shape, plc, op=op)
+    return layout_of(plc, nd, lay.shape)
+
+
 def to_global(x, placement=None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
     """Box ``x`` to ``placement`` / ``sbp``; see ``GlobalTensor.to_global``.
 
@@ -459,19 +475,8 @@ def to_global(x, placement=None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
             _check_global(x, "to_global")
         return tensor(x, placement=placement, sbp=sbp)
     lay = x._layout
-    plc = lay.placement if placement is None else placement
-    if not isinstance(plc, Placement):
-        raise PlacementError(f"to_global: placement must be a jsbp.placement, got {plc!r}.")
-    if sbp is None:
-        if plc.ndim != lay.placement.ndim:
-            raise SbpError(
-                f"to_global: the tensor of {lay.describe()} moves to a {plc.ndim}-d placement {plc}; "
-                "its sbp cannot be kept, so pass sbp= with one entry per axis of the new placement."
-            )
-        nd = lay.nd_sbp
-    else:
-        nd = _to_global_nd(sbp, lay.shape, plc)
-    dst = layout_of(plc, nd, lay.shape)
+    dst = target_layout(lay, placement, sbp, "to_global")
+    plc = dst.placement
     grad = None
     if grad_sbp is not None:
         grad = layout_of(plc, normalise_nd(grad_sbp, lay.shape, plc, op="to_global(grad_sbp=)"), lay.shape)

@@ -18,7 +18,7 @@ import numpy as np
 from .. import _boxing as core_boxing
 from .. import _sbp
 from .._errors import PlacementError, SbpError
-from .._layout import Layout, layout_of, normalise_nd
+from .._layout import Layout, layout_of
 from .._placement import placement as Placement
 from ._html import RULE, frame, nd_chips, row
 from ._model import as_layout, fmt_bytes, tile_grid
@@ -115,20 +115,10 @@ def _target(x, sbp, placement, op) -> tuple[Layout, Layout, str, int]:
             f"{op}(x, sbp=None, placement=None): the second argument is the target sbp, got the "
             f"placement {sbp}; write {op}(x, placement=p, sbp=...)."
         )
-    plc = lay.placement if placement is None else placement
-    if not isinstance(plc, Placement):
-        raise PlacementError(f"{op}: placement must be a jsbp.placement, got {plc!r}.")
-    if sbp is None:
-        if plc.ndim != lay.placement.ndim:
-            raise SbpError(
-                f"{op}: the tensor of {lay.describe()} moves to a {plc.ndim}-d placement {plc}; pass "
-                "sbp= with one entry per axis of the new placement."
-            )
-        nd = lay.nd_sbp
-    else:
-        nd = normalise_nd(sbp, lay.shape, plc, op=op)
+    from .._tensor import target_layout
+
     itemsize = np.dtype(x.dtype).itemsize if dtype else 4
-    return lay, layout_of(plc, nd, lay.shape), dtype, itemsize
+    return lay, target_layout(lay, placement, sbp, op), dtype, itemsize
 
 
 def _axes_words(lay: Layout, axes) -> str:
