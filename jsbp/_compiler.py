@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -76,7 +75,6 @@ class Program:
     steps: list[Step]
     out_layouts: list[Layout]
     out_boxings: list[Boxing]  # boxing of outputs to requested layouts (may be empty)
-    env: dict
 
 
 def _itemsize(aval) -> int:
@@ -174,7 +172,7 @@ class _Inference:
                     out_boxings.append(bx)
                 cur = want
             out_layouts.append(cur)
-        return Program(jaxpr, list(consts), list(in_layouts), steps, out_layouts, out_boxings, env)
+        return Program(jaxpr, list(consts), list(in_layouts), steps, out_layouts, out_boxings)
 
     def read(self, env, v) -> Layout:
         if isinstance(v, jcore.Literal):
@@ -527,15 +525,6 @@ def iter_steps(prog: Program, depth=0):
             yield from iter_steps(s, depth + 1)
 
 
-def all_boxings(prog: Program):
-    for _, st in iter_steps(prog):
-        yield from st.boxings
-        subs = st.sub if isinstance(st.sub, (list, tuple)) else ([st.sub] if st.sub is not None else [])
-        for s in subs:
-            yield from s.out_boxings
-    yield from prog.out_boxings
-
-
 def _dce(jaxpr):
     """Drop equations whose results are unused (XLA would drop them and their collectives)."""
     try:
@@ -553,9 +542,6 @@ def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     jaxpr = _dce(jaxpr)
     return _Inference(placement).program(jaxpr, consts, in_layouts, out_nd)
 
-
-def prod(xs):
-    return math.prod(xs)
 
 
 # -------------------------------------------------------------------------------------------
@@ -587,4 +573,4 @@ def forced_program(placement, closed, in_nds, out_nds) -> Program:
     out_lays = [inf.lay(nd, v.aval) for nd, v in zip(out_nds, eqn.outvars)]
     st = Step(eqn, in_lays, out_lays, [], rule=_registry.get_rule(eqn.primitive.name))
     jaxpr_in = [inf.lay(nd, v.aval) for nd, v in zip(in_nds, closed.jaxpr.invars)] if closed.jaxpr.invars == eqn.invars else in_lays
-    return Program(closed.jaxpr, list(closed.consts), jaxpr_in, [st], out_lays, [], {})
+    return Program(closed.jaxpr, list(closed.consts), jaxpr_in, [st], out_lays, [])

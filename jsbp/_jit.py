@@ -124,7 +124,7 @@ def _build_shard_map(placement, in_layouts, out_layouts, prog):
     return jax.jit(sm)
 
 
-def _out_nd_list(out_sbp, n_out, out_tree, placement, out_shapes):
+def _out_nd_list(out_sbp, n_out, placement, out_shapes):
     if out_sbp is None:
         return None
     # a single nd-sbp for every output, or one per output leaf (sequence / pytree prefix)
@@ -224,12 +224,11 @@ class JitFunction:
                 phys.append(arr)
                 lays.append(lay)
                 dtypes.append(np.dtype(arr.dtype))
+        key = (treedef, tuple(lays), tuple(dtypes), static)
         try:
-            skey = hash(static)
+            hash(key)
         except TypeError:
             raise SbpError(f"jsbp.jit: static arguments must be hashable, got {static!r}.") from None
-        del skey
-        key = (treedef, tuple(lays), tuple(dtypes), static)
         return key, placement, treedef, static, lays, dtypes, phys
 
     def _entry(self, key, placement, treedef, static, lays, dtypes) -> _Entry:
@@ -237,7 +236,7 @@ class JitFunction:
         if entry is None:
             closed, out_tree, flat_fn = _trace(self.fn, treedef, static, lays, dtypes, placement)
             out_avals = closed.out_avals
-            out_nd = _out_nd_list(self.out_sbp, len(out_avals), out_tree, placement, [a.shape for a in out_avals])
+            out_nd = _out_nd_list(self.out_sbp, len(out_avals), placement, [a.shape for a in out_avals])
             prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd)
             fn = _build_shard_map(placement, lays, prog.out_layouts, prog)
             entry = _Entry(placement, lays, dtypes, prog, out_tree, prog.out_layouts,

@@ -181,18 +181,24 @@ def _slice_sigs(ctx):
     yield from _ALL_PARTIAL
 
 
-def _slice_local(st, ins):
-    params = dict(st.eqn.params)
-    lay_in = st.in_layouts[0]
-    limit = list(params["limit_indices"])
-    for d, sp in enumerate(lay_in.splitters):
-        if sp:
-            limit[d] = lay_in.local_shape[d]
-    params["limit_indices"] = tuple(limit)
-    return st.eqn.primitive.bind(*ins, **params)
+def _whole_split_dims(param: str):
+    """A ``local`` that runs the op with ``param`` (one size per dim) set to the local block size on
+    every split dim: the rules only keep a dim split when the op takes it whole."""
+
+    def local(st, ins):
+        params = dict(st.eqn.params)
+        lay_in = st.in_layouts[0]
+        sizes = list(params[param])
+        for d, sp in enumerate(lay_in.splitters):
+            if sp:
+                sizes[d] = lay_in.local_shape[d]
+        params[param] = tuple(sizes)
+        return st.eqn.primitive.bind(*ins, **params)
+
+    return local
 
 
-register_sbp_rule("slice", local=_slice_local)(_slice_sigs)
+register_sbp_rule("slice", local=_whole_split_dims("limit_indices"))(_slice_sigs)
 
 
 @register_sbp_rule("split")
@@ -218,18 +224,7 @@ def _dyn_slice_sigs(ctx):
     yield (P,) + (B,) * n_idx, (P,)
 
 
-def _dyn_slice_local(st, ins):
-    params = dict(st.eqn.params)
-    lay_in = st.in_layouts[0]
-    sizes = list(params["slice_sizes"])
-    for d, sp in enumerate(lay_in.splitters):
-        if sp:
-            sizes[d] = lay_in.local_shape[d]
-    params["slice_sizes"] = tuple(sizes)
-    return st.eqn.primitive.bind(*ins, **params)
-
-
-register_sbp_rule("dynamic_slice", local=_dyn_slice_local)(_dyn_slice_sigs)
+register_sbp_rule("dynamic_slice", local=_whole_split_dims("slice_sizes"))(_dyn_slice_sigs)
 
 
 @register_sbp_rule("dynamic_update_slice")
