@@ -18,10 +18,11 @@ def _losses(*args):
 
 
 def test_resume_under_another_layout_continues_the_loss_curve(tmp_path):
-    straight = _losses("--parallel", "dp=8", "--steps", "6")
-    first = _losses("--parallel", "dp=8", "--steps", "3", "--save-every", "3", "--ckpt-dir", str(tmp_path))
-    second = _losses("--parallel", "dp=2,tp=4", "--steps", "6", "--resume", str(tmp_path))
-    assert sorted(first) == [0, 1, 2] and sorted(second) == [3, 4, 5]
+    # issue 7: 10 steps straight vs 5 steps, save, resume under another layout, 5 more
+    straight = _losses("--parallel", "dp=8", "--steps", "10")
+    first = _losses("--parallel", "dp=8", "--steps", "5", "--save-every", "5", "--ckpt-dir", str(tmp_path))
+    second = _losses("--parallel", "dp=2,tp=4", "--steps", "10", "--resume", str(tmp_path))
+    assert sorted(first) == list(range(5)) and sorted(second) == list(range(5, 10))
     resumed = {**first, **second}
     for step, loss in straight.items():
         assert abs(resumed[step] - loss) <= 1e-5 * abs(loss), (step, resumed[step], loss)
@@ -50,3 +51,13 @@ def test_train_gpt_under_the_launcher_matches_one_process():
     for step, loss in single.items():
         for rank in (0, 1):  # the same losses on both processes, equal to the 8-device run
             assert abs(per_rank[rank][step] - loss) <= 1e-5 * abs(loss)
+
+
+def test_pipeline_layouts_from_the_command_line_match_one_device():
+    # issue 8's example: pp=2 x dp=2 x tp=2, 4 micro-batches, both schedules
+    single = _losses("--parallel", "none", "--steps", "3")
+    for schedule in ("1f1b", "gpipe"):
+        piped = _losses("--parallel", "pp=2,dp=2,tp=2", "--microbatches", "4", "--schedule", schedule, "--steps", "3")
+        assert sorted(piped) == [0, 1, 2]
+        for step, loss in single.items():
+            assert abs(piped[step] - loss) <= 1e-5 * abs(loss), (schedule, step, piped[step], loss)
