@@ -370,7 +370,7 @@ def test_eager_operators_and_methods():
     xv, yv = rand(8, 6), rand(8, 6)
     x, y = gt(xv, P4, "S(0)"), gt(yv, P4, "S(0)")
     np.testing.assert_allclose((x + y).numpy(), xv + yv)
-    np.testing.assert_allclose((x * 2 - y / 3).numpy(), xv * 2 - yv / 3, rtol=1e-6)
+    np.testing.assert_allclose((x * 2 - y / 3).numpy(), xv * 2 - yv / 3, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose((-x).numpy(), -xv)
     np.testing.assert_array_equal((x > y).numpy(), xv > yv)
     np.testing.assert_allclose((x @ y.T).numpy(), xv @ yv.T, rtol=1e-5, atol=1e-5)
