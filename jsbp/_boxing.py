@@ -36,13 +36,13 @@ from jax import lax
 from . import _sbp
 from ._layout import Layout, balanced, layout_of, offsets
 
-__all__ = ["Move", "plan", "make_local_boxer", "COLLECTIVE_LATENCY_BYTES"]
+__all__ = ["Move", "move_cost", "plan", "make_local_boxer", "COLLECTIVE_LATENCY_BYTES"]
 
 COLLECTIVE_LATENCY_BYTES = 1 << 16
 """A collective's fixed cost, in byte-equivalents, added to the bytes it moves."""
 
 _LOCAL_COST = 1.0
-_ZERO_FILL_COST = COLLECTIVE_LATENCY_BYTES / 4
+_ZERO_FILL_COST = 4096.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +122,20 @@ def _moves_from(state, shape, hierarchy, itemsize):
                     yield nxt, Move(group, src, dst, coll, float(cost))
 
 
+def move_cost(mv: Move) -> float:
+    """The planner's cost of one move: bytes per device plus a fixed cost per kind."""
+    if mv.collective:
+        step = COLLECTIVE_LATENCY_BYTES
+    elif mv.dst.is_partial and mv.dst.reduce == "sum":
+        # a zero-fill (-> P) is free to run but only pays off when the destination is partial:
+        # as a detour (zero-fill + all-reduce instead of an all-gather) it must lose the tie, and
+        # an op should not turn a split or replicated operand into addends to save a slice
+        step = _ZERO_FILL_COST
+    else:
+        step = _LOCAL_COST
+    return mv.bytes_per_device + step
+
+
 @functools.lru_cache(maxsize=4096)
 def plan(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int):
     """The cheapest list of ``Move`` s from nd-sbp ``src`` to ``dst`` (normalised, same placement).
@@ -161,15 +175,7 @@ def _search(src, dst, shape, hierarchy, itemsize, max_collectives):
             if max_collectives is not None and n_used > max_collectives:
                 continue
             nkey = (nxt, n_used if max_collectives is not None else 0)
-            if mv.collective:
-                step = COLLECTIVE_LATENCY_BYTES
-            elif mv.dst.is_partial and mv.dst.reduce == "sum":
-                # a zero-fill only pays off when the destination is partial; as a detour
-                # (zero-fill + all-reduce instead of an all-gather) it must lose the tie
-                step = _ZERO_FILL_COST
-            else:
-                step = _LOCAL_COST
-            c = cost + mv.bytes_per_device + step
+            c = cost + move_cost(mv)
             if c < best.get(nkey, math.inf) - 1e-9:
                 best[nkey] = c
                 heapq.heappush(heap, (c, next(counter), nkey, path + (mv,)))

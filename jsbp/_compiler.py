@@ -23,7 +23,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from . import _sbp
-from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, run_plan
+from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, move_cost, plan, run_plan
 from ._errors import SbpError
 from ._layout import Layout, layout_of
 from .rules import _registry
@@ -89,8 +89,7 @@ def boxing_cost(src: Layout, dst: Layout, itemsize: int) -> tuple[float, int]:
     if src.nd_sbp == dst.nd_sbp:
         return 0.0, 0
     moves = plan(src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, itemsize)
-    cost = sum(m.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if m.collective else 1.0) for m in moves)
-    return cost, len(moves)
+    return sum(move_cost(m) for m in moves), len(moves)
 
 
 def _valid_nd(nd, shape) -> bool:
@@ -116,10 +115,15 @@ def _expand(per_axis, naxes):
 
 
 class _Inference:
-    def __init__(self, placement):
+    def __init__(self, placement, demand: dict | None = None):
         self.placement = placement
         self.boxed: set = set()  # (var, nd-sbp) pairs already boxed in the current program
         self.alias: dict = {}  # inlined call: sub-jaxpr invar -> the caller's atom
+        # lookahead: value -> the nd-sbps its consumers asked for in an earlier pass; a candidate
+        # is charged the boxing of its outputs to them (see ``infer``)
+        self.demand = demand or {}
+        self.depth = 0  # nesting of separately scoped programs (loop / branch bodies)
+        self.trace: list = []  # top-scope decisions, in program order, for ``_backward_demand``
 
     def key(self, v):
         while v in self.alias:
@@ -148,10 +152,12 @@ class _Inference:
                     self.alias[sub_v] = outer
             return self._program(jaxpr, consts, in_layouts, out_nd)
         saved, self.boxed = self.boxed, set()
+        self.depth += 1
         try:
             return self._program(jaxpr, consts, in_layouts, out_nd)
         finally:
             self.boxed = saved
+            self.depth -= 1
 
     def _program(self, jaxpr, consts, in_layouts, out_nd=None) -> Program:
         env: dict = {}
@@ -187,6 +193,8 @@ class _Inference:
             handler = _infer_call
         if handler is not None:
             st = handler(self, eqn, cur)
+            if self.depth == 1 and st.kind != "call":
+                self.trace.append(("want", list(eqn.invars), [l.nd_sbp for l in st.in_layouts]))
         else:
             st = self.prim_step(eqn, cur)
         for v, lay in zip(eqn.outvars, st.out_layouts):
@@ -194,7 +202,8 @@ class _Inference:
                 env[v] = lay
         return st
 
-    def prim_step(self, eqn, cur: list[Layout]) -> Step:
+    def candidates(self, eqn, cur: list[Layout]):
+        """The rule of ``eqn`` and its legal nd signatures on this placement."""
         name = eqn.primitive.name
         shapes = ", ".join(f"{tuple(v.aval.shape)}" for v in eqn.invars)
         rule = _registry.get_rule(name, op_desc=f" (operands of shape {shapes} on {self.placement})")
@@ -206,7 +215,7 @@ class _Inference:
             cands = list(rule.signatures(ctx))
         else:
             cands = list(_expand(list(rule.signatures(ctx)), self.placement.ndim))
-        best = None
+        legal = []
         for ins, outs in cands:
             if len(ins) != len(eqn.invars) or len(outs) != len(eqn.outvars):
                 raise SbpError(f"SBP rule for '{name}' returned a signature of the wrong arity: {ins} -> {outs}.")
@@ -214,15 +223,38 @@ class _Inference:
                 continue
             if not all(_valid_nd(nd, v.aval.shape) for nd, v in zip(outs, eqn.outvars)):
                 continue
-            cost, nmoves, exact = 0.0, 0, True
+            legal.append((tuple(tuple(nd) for nd in ins), tuple(tuple(nd) for nd in outs)))
+        if not legal:
+            lays = ", ".join(f"{tuple(v.aval.shape)} {_sbp.nd_str(l.nd_sbp)}" for v, l in zip(eqn.invars, cur))
+            raise SbpError(
+                f"no legal SBP signature for '{name}' on {self.placement} with operands {lays}; "
+                "the rule offers none for these shapes. Box an operand with jsbp.to_global(..., sbp=...) "
+                "to a layout the op supports (B always works)."
+            )
+        return rule, legal
+
+    def choose(self, eqn, cur, cands, demand, reuse=True):
+        """The best candidate: no boxing at all first, then the lowest cost of boxing the inputs
+        plus (lookahead) boxing the outputs to the layouts in ``demand``; ties prefer fewer
+        collectives, fewer partial outputs, and not splitting an axis no input splits."""
+        best = None
+        for ins, outs in cands:
+            cost, out_cost, nmoves, exact = 0.0, 0.0, 0, True
             for lay, nd, v in zip(cur, ins, eqn.invars):
-                if lay.nd_sbp != tuple(nd):
+                if lay.nd_sbp != nd:
                     exact = False
-                    if not isinstance(v, jcore.Literal) and (self.key(v), tuple(nd)) in self.boxed:
+                    if reuse and not isinstance(v, jcore.Literal) and (self.key(v), nd) in self.boxed:
                         continue  # reuse the earlier conversion
                     c, n = boxing_cost(lay, self.lay(nd, v.aval), _itemsize(v.aval))
                     cost += c
                     nmoves += n
+            for nd, v in zip(outs, eqn.outvars):
+                for want in demand.get(v, ()) if not isinstance(v, jcore.DropVar) else ():
+                    if want != nd:
+                        exact = False
+                        c, n = boxing_cost(self.lay(nd, v.aval), self.lay(want, v.aval), _itemsize(v.aval))
+                        out_cost += c
+                        nmoves += n
             n_partial_out = sum(x.is_partial for nd in outs for x in nd)
             # splits created out of nothing (an axis where no input is split) only move work to the
             # consumers, which slice B for free anyway: prefer keeping B
@@ -230,17 +262,20 @@ class _Inference:
                 1 for a in range(self.placement.ndim)
                 if any(nd[a].is_split for nd in outs) and not any(nd[a].is_split for nd in ins)
             )
-            key = (not exact, cost, nmoves, n_partial_out, n_new_split)
+            # at equal cost, convert inputs rather than outputs: the demand moves upstream, where
+            # one conversion may serve several consumers (and a backward walk can carry it further)
+            key = (not exact, cost + out_cost, out_cost, nmoves, n_partial_out, n_new_split)
             if best is None or key < best[0]:
                 best = (key, ins, outs)
-        if best is None:
-            lays = ", ".join(f"{tuple(v.aval.shape)} {_sbp.nd_str(l.nd_sbp)}" for v, l in zip(eqn.invars, cur))
-            raise SbpError(
-                f"no legal SBP signature for '{name}' on {self.placement} with operands {lays}; "
-                "the rule offers none for these shapes. Box an operand with jsbp.to_global(..., sbp=...) "
-                "to a layout the op supports (B always works)."
-            )
-        _, ins, outs = best
+        return best[1], best[2]
+
+    def prim_step(self, eqn, cur: list[Layout]) -> Step:
+        rule, cands = self.candidates(eqn, cur)
+        demand = {v: self.demand[k] for v in eqn.outvars
+                  if not isinstance(v, jcore.DropVar) and (k := self.key(v)) in self.demand}
+        ins, outs = self.choose(eqn, cur, cands, demand)
+        if self.depth == 1:
+            self.trace.append(("prim", eqn, list(cur), cands))
         in_lays = [self.lay(nd, v.aval) for nd, v in zip(ins, eqn.invars)]
         boxings = []
         for i, (c, w, v) in enumerate(zip(cur, in_lays, eqn.invars)):
@@ -255,10 +290,68 @@ class _Inference:
         out_lays = [self.lay(nd, v.aval) for nd, v in zip(outs, eqn.outvars)]
         return Step(eqn, in_lays, out_lays, boxings, rule=rule)
 
+    def backward_demand(self, out_vars, out_nd) -> dict:
+        """Walk the recorded top-scope decisions backwards: each equation, knowing what its
+        outputs' consumers want, picks the signature it would choose with that lookahead and asks
+        its inputs for the layouts of that signature. The requested output layouts seed it."""
+        want: dict = {}
+
+        def ask(v, nd):
+            if not isinstance(v, (jcore.Literal, jcore.DropVar)):
+                want.setdefault(self.key(v), set()).add(tuple(nd))
+
+        for v, nd in zip(out_vars, out_nd or ()):
+            if nd is not None:
+                ask(v, nd)
+        for entry in reversed(self.trace):
+            if entry[0] == "want":
+                for v, nd in zip(entry[1], entry[2]):
+                    ask(v, nd)
+                continue
+            _, eqn, cur, cands = entry
+            demand = {v: want[k] for v in eqn.outvars
+                      if not isinstance(v, jcore.DropVar) and (k := self.key(v)) in want}
+            ins = _carry_through(eqn, cands, demand)
+            if ins is None:
+                ins, _ = self.choose(eqn, cur, cands, demand, reuse=False)
+            for v, nd in zip(eqn.invars, ins):
+                ask(v, nd)
+        return want
+
 
 # -------------------------------------------------------------------------------------------
 # higher-order primitives
 # -------------------------------------------------------------------------------------------
+
+
+def _carry_through(eqn, cands, demand):
+    """An elementwise equation whose one output is wanted in one B / S layout passes that layout on
+    to its operands unchanged (scalars stay B): boxing before or after it moves the same bytes, and
+    passing the demand on lets the producers, where the layouts really diverge, decide."""
+    if len(eqn.outvars) != 1 or isinstance(eqn.outvars[0], jcore.DropVar):
+        return None
+    wants = demand.get(eqn.outvars[0], ())
+    if len(wants) != 1:
+        return None
+    (d,) = wants
+    if any(x.is_partial for x in d):
+        return None
+    shape = tuple(eqn.outvars[0].aval.shape)
+    scalar = (B,) * len(d)
+    want_ins = []
+    for v in eqn.invars:
+        vs = tuple(v.aval.shape)
+        if vs == shape:
+            want_ins.append(d)
+        elif vs == ():
+            want_ins.append(scalar)
+        else:
+            return None
+    want_ins = tuple(want_ins)
+    for ins, outs in cands:
+        if outs == (d,) and ins == want_ins:
+            return ins
+    return None
 
 
 def _call_jaxpr(eqn):
@@ -538,9 +631,56 @@ def _dce(jaxpr):
         return jaxpr
 
 
+def program_cost(prog: Program) -> float:
+    """Bytes per device plus a fixed latency per collective, over every boxing of ``prog`` (what
+    really moves: the planner's tie-breaking penalties on local moves are left out)."""
+    total = 0.0
+
+    def add(bxs):
+        nonlocal total
+        for bx in bxs:
+            if not bx.reused:
+                total += sum(m.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if m.collective else 0.0) for m in bx.moves)
+
+    def walk(p):
+        add(p.out_boxings)
+        for st in p.steps:
+            add(st.boxings)
+            subs = st.sub if isinstance(st.sub, (list, tuple)) else ([st.sub] if st.sub is not None else [])
+            for s in subs:
+                if isinstance(s, Program):
+                    walk(s)
+
+    walk(prog)
+    return total
+
+
+LOOKAHEAD_ROUNDS = 2
+"""Refinement passes after the greedy one (each: a backward demand walk, then a forward pass)."""
+
+
 def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
+    """Greedy forward inference, then up to ``LOOKAHEAD_ROUNDS`` refinements: a backward walk
+    collects the layouts each value's consumers want (seeded by ``out_nd`` and annotations), and a
+    new forward pass charges every candidate the boxing of its outputs to those layouts. This sees
+    past one equation: an optimizer update whose result must come back replicated keeps its
+    gradient's all-reduce instead of a reduce-scatter now and all-gathers later. The cheapest
+    program (``program_cost``) wins."""
     jaxpr = _dce(jaxpr)
-    return _Inference(placement).program(jaxpr, consts, in_layouts, out_nd)
+    inf = _Inference(placement)
+    best = inf.program(jaxpr, consts, in_layouts, out_nd)
+    best_cost = program_cost(best)
+    for _ in range(LOOKAHEAD_ROUNDS):
+        if best_cost == 0.0:
+            break
+        demand = inf.backward_demand(jaxpr.outvars, out_nd)
+        inf = _Inference(placement, demand)
+        prog = inf.program(jaxpr, consts, in_layouts, out_nd)
+        cost = program_cost(prog)
+        if cost >= best_cost:
+            break
+        best, best_cost = prog, cost
+    return best
 
 
 

@@ -9,7 +9,9 @@ built once per module and reused by the parity, memory and communication checks.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
 import os
 import pathlib
 import re
@@ -295,11 +297,20 @@ def test_tensor_parallel_splits_each_model_parallel_leaf_eight_ways():
 # ------------------------------------------------------------------------------------------------
 
 
-def _plan_and_counts(parallel, zero=0, accum=1):
-    run = _run(parallel, zero, accum)
+def _plan_and_counts(parallel, zero=0, accum=1, cfg=None):
+    if cfg is None:
+        run = _run(parallel, zero, accum)
+    else:  # a plan only: one step is enough to build the sharded step function
+        run = tg.train(parallel, zero=zero, accum=accum, steps=1, cfg=cfg, batch=BATCH)
     model, opt = run.sharded
     batch = _batch()
     return run.step_fn.explain(model, opt, batch), run.step_fn.count_collectives(model, opt, batch)
+
+
+# Megatron's vocab-parallel embedding (gather from a vocab-split table -> P, one all-reduce of the
+# activations) pays off when the table is larger than the activations, as in real models; with
+# CFG's 56-symbol vocabulary all-gathering the table moves fewer bytes, and jsbp does that instead
+MEGATRON_CFG = dataclasses.replace(CFG, vocab=1024)
 
 
 def _n_params():
@@ -313,10 +324,12 @@ def test_data_parallel_communicates_only_gradient_all_reduces():
     # exactly one P -> B per parameter (its gradient), nothing in the forward or backward pass
     assert len(boxings) == _n_params()
     assert all((b.src, b.dst) == ("(P)", "(B)") for b in boxings)
-    param_shapes = sorted(
-        tuple(x.shape) for x in jax.tree.leaves(nnx.state(tg.init(CFG, 0)[0], nnx.Param))
+    # one gradient per parameter (the reduction may run before a transpose / reshape of it: the
+    # same bytes either way, so compare sizes)
+    param_sizes = sorted(
+        x.size for x in jax.tree.leaves(nnx.state(tg.init(CFG, 0)[0], nnx.Param))
     )
-    assert sorted(b.shape for b in boxings) == param_shapes
+    assert sorted(math.prod(b.shape) for b in boxings) == param_sizes
     assert counts["all-reduce"] >= 1  # XLA may combine them
     assert {k for k, v in counts.items() if v} == {"all-reduce"}
 
@@ -366,7 +379,8 @@ def _top_rows(plan):
 def test_tensor_parallel_is_megatron():
     """Column-parallel (B, S(1)) -> S then row-parallel (S, S(0)) -> P with nothing between them;
     one all-reduce after each row-parallel layer (and the vocab-parallel embedding) forward."""
-    plan, counts = _plan_and_counts("tp=8")
+    plan, counts = _plan_and_counts("tp=8", cfg=MEGATRON_CFG)
+    CFG = MEGATRON_CFG  # noqa: N806
     rows = _top_rows(plan)
     column = [
         i
@@ -405,8 +419,27 @@ def test_tensor_parallel_is_megatron():
     assert {k for k, v in counts.items() if v} == {"all-reduce"}
 
 
+def test_small_vocabulary_gathers_the_table_instead_of_reducing_activations():
+    """With CFG's tiny vocabulary the table (vocab x d) is smaller than the activations: jsbp
+    all-gathers it once (and reduce-scatters nothing: its gradient is local to each shard) rather
+    than all-reducing the (batch, seq, d) lookup; every other forward collective stays Megatron's."""
+    table = CFG.vocab * CFG.d_model
+    assert table < BATCH * CFG.seq * CFG.d_model  # the premise
+    plan, counts = _plan_and_counts("tp=8")
+    gathers = [b for b in plan.boxings() if "all-gather" in b.collectives]
+    assert [(b.src, b.dst, b.shape) for b in gathers] == [("(S(0))", "(B)", (CFG.vocab, CFG.d_model))]
+    reductions = [b for b in plan.boxings() if "all-reduce" in b.collectives]
+    assert all(b.src.startswith("(P") and b.dst == "(B)" for b in reductions)
+    # forward: one all-reduce per row-parallel layer; backward: one per column-parallel input
+    # (q, k and v share theirs) and one for the vocab-parallel head's input
+    acts = [b for b in reductions if b.shape == (BATCH, CFG.seq, CFG.d_model)]
+    assert len(acts) == 4 * CFG.n_layers + 1
+    assert counts["all-gather"] >= 1 and counts["reduce-scatter"] == counts["all-to-all"] == 0
+
+
 def test_hybrid_dp_tp_adds_only_gradient_reductions_over_dp():
-    plan, counts = _plan_and_counts("dp=2,tp=4")
+    plan, counts = _plan_and_counts("dp=2,tp=4", cfg=MEGATRON_CFG)
+    CFG = MEGATRON_CFG  # noqa: N806
     kinds = plan.collectives()
     assert kinds["all-gather"] == kinds["reduce-scatter"] == kinds["all-to-all"] == 0
     over_dp = [b for b in plan.boxings() if b.collectives and ("dp",) in b.axes]
