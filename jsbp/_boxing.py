@@ -36,7 +36,7 @@ from jax import lax
 from . import _sbp
 from ._layout import Layout, balanced, layout_of, offsets
 
-__all__ = ["Move", "move_cost", "plan", "make_local_boxer", "COLLECTIVE_LATENCY_BYTES"]
+__all__ = ["Move", "move_cost", "plan", "plan_cost", "make_local_boxer", "COLLECTIVE_LATENCY_BYTES"]
 
 COLLECTIVE_LATENCY_BYTES = 1 << 16
 """A collective's fixed cost, in byte-equivalents, added to the bytes it moves."""
@@ -136,7 +136,6 @@ def move_cost(mv: Move) -> float:
     return mv.bytes_per_device + step
 
 
-@functools.lru_cache(maxsize=4096)
 def plan(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int):
     """The cheapest list of ``Move`` s from nd-sbp ``src`` to ``dst`` (normalised, same placement).
 
@@ -145,41 +144,108 @@ def plan(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, .
     chain can look cheaper (e.g. three all-to-alls for (S(0), S(1)) -> (S(1), S(0)), or a
     reduce-scatter on an unchanged P axis before an all-reduce). Only when no path fits that
     budget (an outer split moving under an inner one) is the collective count left free.
+
+    A move's cost is linear in the tensor's size T (bytes x a fraction fixed by the layouts, plus
+    a fixed cost), so the search runs once per (src, dst, rank, hierarchy) and keeps every path
+    that is cheapest for some T (``_frontier``); a call only picks among those for its T.
     """
     if src == dst:
         return ()
+    total = float(math.prod(shape) * itemsize)
+    _, path = _best(src, dst, len(shape), hierarchy, total)
+    return tuple(dataclasses.replace(m, bytes_per_device=m.bytes_per_device * total) for m in path)
+
+
+def _best(src, dst, ndim, hierarchy, total):
+    best = None
+    for (a, b), path in _frontier(src, dst, ndim, hierarchy):
+        cost = a * total + b
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, path)
+    return best
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def plan_cost(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int):
+    """(``move_cost`` summed over ``plan``'s moves, number of moves), without building them."""
+    if src == dst:
+        return 0.0, 0
+    cost, path = _best(src, dst, len(shape), hierarchy, float(math.prod(shape) * itemsize))
+    return cost, len(path)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _frontier(src, dst, ndim, hierarchy):
+    """Every path from ``src`` to ``dst`` that is the cheapest for some tensor size, as
+    ((bytes coefficient, fixed cost), moves with per-byte ``bytes_per_device``)."""
     budget = sum(1 for a, b in zip(src, dst) if a != b)
-    path = _search(src, dst, shape, hierarchy, itemsize, budget)
-    if path is None:
-        path = _search(src, dst, shape, hierarchy, itemsize, None)
-    if path is None:  # every pair is connected via B
+    reach = _reach(src, ndim, hierarchy)
+    paths = _pareto([(lab, path) for (state, used), labs in reach.items()
+                     if state == dst and used <= budget for lab, path in labs])
+    if not paths:  # an outer split moving under an inner one: more collectives than axes
+        paths = _pareto(_search(src, dst, ndim, hierarchy))
+    if not paths:  # every pair is connected via B
         raise AssertionError(f"no boxing path from {src} to {dst}")
-    return path
+    return tuple(paths)
 
 
-def _search(src, dst, shape, hierarchy, itemsize, max_collectives):
-    """Dijkstra over (nd-sbp, collectives used); None when ``dst`` is out of reach."""
+@functools.lru_cache(maxsize=1 << 14)
+def _unit_moves(state, ndim, hierarchy):
+    """``_moves_from`` for a one-byte tensor of rank ``ndim``: byte costs become coefficients."""
+    return tuple(_moves_from(state, (1,) * ndim, hierarchy, 1))
+
+
+def _pareto(found):
+    """The (cost, path) pairs that no other beats (or ties) at every tensor size."""
+    out = []
+    for (a, b), path in sorted(found, key=lambda x: (x[0][1], x[0][0], len(x[1]))):
+        if not any(a2 <= a + 1e-12 and b2 <= b + 1e-9 for (a2, b2), _ in out):
+            out.append(((a, b), path))
+    return out
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _reach(src, ndim, hierarchy):
+    """Single-source search from ``src`` with at most one collective per placement axis: for
+    every (nd-sbp, collectives used), the non-dominated (cost, path) labels reaching it."""
+    return _labels(src, ndim, hierarchy, len(hierarchy), None)
+
+
+def _search(src, dst, ndim, hierarchy):
+    """Any number of collectives: the labels reaching ``dst``."""
+    labels = _labels(src, ndim, hierarchy, None, dst)
+    return [x for key, labs in labels.items() if key[0] == dst for x in labs]
+
+
+def _labels(src, ndim, hierarchy, max_collectives, stop):
+    """Label-setting search over (nd-sbp, collectives used) with two-part costs (bytes coefficient
+    a, fixed cost b): a path is kept unless another reaching the same state is no worse in both.
+    With ``max_collectives=None`` the count is not tracked; ``stop`` is not expanded further."""
     counter = itertools.count()
     start = (src, 0)
-    best = {start: 0.0}
-    heap = [(0.0, next(counter), start, ())]
+    labels: dict = {start: [((0.0, 0.0), ())]}
+    heap = [(0.0, 0.0, next(counter), start, ())]
     while heap:
-        cost, _, key, path = heapq.heappop(heap)
+        b, a, _, key, path = heapq.heappop(heap)
         state, used = key
-        if state == dst:
-            return path
-        if cost > best.get(key, math.inf):
+        if not any(lab == (a, b) and p is path for lab, p in labels.get(key, ())):
+            continue  # superseded by a label that dominates it
+        if state == stop:
             continue
-        for nxt, mv in _moves_from(state, shape, hierarchy, itemsize):
+        for nxt, mv in _unit_moves(state, ndim, hierarchy):
             n_used = used + (1 if mv.collective else 0)
             if max_collectives is not None and n_used > max_collectives:
                 continue
             nkey = (nxt, n_used if max_collectives is not None else 0)
-            c = cost + move_cost(mv)
-            if c < best.get(nkey, math.inf) - 1e-9:
-                best[nkey] = c
-                heapq.heappush(heap, (c, next(counter), nkey, path + (mv,)))
-    return None
+            la, lb = a + mv.bytes_per_device, b + move_cost(mv) - mv.bytes_per_device
+            have = labels.setdefault(nkey, [])
+            if any(x[0] <= la + 1e-12 and x[1] <= lb + 1e-9 for x, _ in have):
+                continue
+            npath = path + (mv,)
+            have[:] = [(x, p) for x, p in have if not (la <= x[0] + 1e-12 and lb <= x[1] + 1e-9)]
+            have.append(((la, lb), npath))
+            heapq.heappush(heap, (lb, la, next(counter), nkey, npath))
+    return labels
 
 
 # -------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from . import _sbp
-from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, move_cost, plan, run_plan
+from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, plan_cost, run_plan
 from ._errors import SbpError
 from ._layout import Layout, layout_of
 from .rules import _registry
@@ -84,14 +84,6 @@ def _itemsize(aval) -> int:
         return 4
 
 
-def boxing_cost(src: Layout, dst: Layout, itemsize: int) -> tuple[float, int]:
-    """(bytes + latency, number of moves) to box src -> dst on one placement."""
-    if src.nd_sbp == dst.nd_sbp:
-        return 0.0, 0
-    moves = plan(src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, itemsize)
-    return sum(move_cost(m) for m in moves), len(moves)
-
-
 def _valid_nd(nd, shape) -> bool:
     kinds = {x.reduce for x in nd if x.is_partial}
     if len(kinds) > 1:
@@ -115,8 +107,9 @@ def _expand(per_axis, naxes):
 
 
 class _Inference:
-    def __init__(self, placement, demand: dict | None = None):
+    def __init__(self, placement, demand: dict | None = None, cands_cache: dict | None = None):
         self.placement = placement
+        self.cands_cache = {} if cands_cache is None else cands_cache
         self.boxed: set = set()  # (var, nd-sbp) pairs already boxed in the current program
         self.alias: dict = {}  # inlined call: sub-jaxpr invar -> the caller's atom
         # lookahead: value -> the nd-sbps its consumers asked for in an earlier pass; a candidate
@@ -203,7 +196,15 @@ class _Inference:
         return st
 
     def candidates(self, eqn, cur: list[Layout]):
-        """The rule of ``eqn`` and its legal nd signatures on this placement."""
+        """The rule of ``eqn`` and its legal nd signatures on this placement (memoised across
+        the passes of one ``infer``: rules may look at the current layouts, so they are the key)."""
+        key = (eqn, tuple(l.nd_sbp for l in cur))
+        hit = self.cands_cache.get(key)
+        if hit is None:
+            hit = self.cands_cache[key] = self._candidates(eqn, cur)
+        return hit
+
+    def _candidates(self, eqn, cur: list[Layout]):
         name = eqn.primitive.name
         shapes = ", ".join(f"{tuple(v.aval.shape)}" for v in eqn.invars)
         rule = _registry.get_rule(name, op_desc=f" (operands of shape {shapes} on {self.placement})")
@@ -238,6 +239,7 @@ class _Inference:
         plus (lookahead) boxing the outputs to the layouts in ``demand``; ties prefer fewer
         collectives, fewer partial outputs, and not splitting an axis no input splits."""
         best = None
+        hier = self.placement.hierarchy
         for ins, outs in cands:
             cost, out_cost, nmoves, exact = 0.0, 0.0, 0, True
             for lay, nd, v in zip(cur, ins, eqn.invars):
@@ -245,14 +247,14 @@ class _Inference:
                     exact = False
                     if reuse and not isinstance(v, jcore.Literal) and (self.key(v), nd) in self.boxed:
                         continue  # reuse the earlier conversion
-                    c, n = boxing_cost(lay, self.lay(nd, v.aval), _itemsize(v.aval))
+                    c, n = plan_cost(lay.nd_sbp, nd, lay.shape, hier, _itemsize(v.aval))
                     cost += c
                     nmoves += n
             for nd, v in zip(outs, eqn.outvars):
                 for want in demand.get(v, ()) if not isinstance(v, jcore.DropVar) else ():
                     if want != nd:
                         exact = False
-                        c, n = boxing_cost(self.lay(nd, v.aval), self.lay(want, v.aval), _itemsize(v.aval))
+                        c, n = plan_cost(nd, want, tuple(v.aval.shape), hier, _itemsize(v.aval))
                         out_cost += c
                         nmoves += n
             n_partial_out = sum(x.is_partial for nd in outs for x in nd)
@@ -674,7 +676,7 @@ def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
         if best_cost == 0.0:
             break
         demand = inf.backward_demand(jaxpr.outvars, out_nd)
-        inf = _Inference(placement, demand)
+        inf = _Inference(placement, demand, inf.cands_cache)
         prog = inf.program(jaxpr, consts, in_layouts, out_nd)
         cost = program_cost(prog)
         if cost >= best_cost:

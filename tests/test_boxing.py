@@ -339,13 +339,13 @@ def test_plans_are_cached():
     from jsbp import _boxing
 
     before = _tensor._same_placement_boxer.cache_info()
-    plans = _boxing.plan.cache_info()
+    plans = _boxing._frontier.cache_info()
     y = x.to_global(sbp=("B", "S(1)"))
     after = _tensor._same_placement_boxer.cache_info()
     # the second conversion builds nothing: no new program, no new plan (the eager fast path may
     # serve it before the program cache is even consulted)
     assert after.misses == before.misses and after.hits >= before.hits
-    assert _boxing.plan.cache_info().misses == plans.misses
+    assert _boxing._frontier.cache_info().misses == plans.misses
     assert y.sbp == jsbp.sbp.parse_nd(("B", "S(1)"))
 
 
