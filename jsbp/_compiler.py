@@ -1,9 +1,12 @@
 """The SBP compiler: jaxpr (logical shapes) -> SBP inference -> one full-manual shard_map.
 
-``infer`` walks a jaxpr once, assigning an nd-sbp to every variable: for each equation it asks the
-rule registry for the legal per-axis signatures, expands them over the placement axes and keeps
-the candidate that needs no boxing, otherwise the cheapest boxing (bytes per device plus a fixed
-cost per collective, ``_boxing.plan``). Call-like primitives (``jit``, ``custom_jvp_call``,
+``infer`` assigns an nd-sbp to every variable. A forward pass asks the rule registry, per
+equation, for the legal per-axis signatures, expands them over the placement axes and keeps the
+candidate that needs no boxing, otherwise the cheapest boxing (bytes per device plus a fixed
+cost per collective, ``_boxing.plan_cost``). That greedy choice cannot see past one equation, so
+a backward walk then collects the layouts each value's consumers want (seeded by ``out_sbp`` and
+annotations) and another forward pass charges each candidate the boxing of its outputs to those
+layouts as well; the cheapest whole program is kept. Call-like primitives (``jit``, ``custom_jvp_call``,
 ``custom_vjp_call``, ``remat``) are inlined; ``scan`` / ``while`` carries get a fixed-point layout;
 ``cond`` branches are boxed to a common output layout.
 
@@ -240,6 +243,18 @@ class _Inference:
         collectives, fewer partial outputs, and not splitting an axis no input splits."""
         best = None
         hier = self.placement.hierarchy
+        # fast path: a signature that needs no boxing (inputs as they are, outputs as wanted) wins
+        # outright; only the tie-breakers rank those
+        cur_nd = tuple(l.nd_sbp for l in cur)
+        free = [
+            (ins, outs) for ins, outs in cands
+            if ins == cur_nd and all(
+                isinstance(v, jcore.DropVar) or all(w == nd for w in demand.get(v, ()))
+                for nd, v in zip(outs, eqn.outvars)
+            )
+        ]
+        if free:
+            cands = free
         for ins, outs in cands:
             cost, out_cost, nmoves, exact = 0.0, 0.0, 0, True
             for lay, nd, v in zip(cur, ins, eqn.invars):
