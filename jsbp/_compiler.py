@@ -246,9 +246,14 @@ class _Inference:
         # fast path: a signature that needs no boxing (inputs as they are, outputs as wanted) wins
         # outright; only the tie-breakers rank those
         cur_nd = tuple(l.nd_sbp for l in cur)
+        as_is = [(ins, outs) for ins, outs in cands if ins == cur_nd]
+        if as_is and eqn.primitive.name in _COMPUTE_HEAVY:
+            # bytes are not the whole cost here: gathering the operands of a matmul to save a
+            # reduction of its result would repeat the whole product on every device
+            cands = as_is
         free = [
-            (ins, outs) for ins, outs in cands
-            if ins == cur_nd and all(
+            (ins, outs) for ins, outs in as_is
+            if all(
                 isinstance(v, jcore.DropVar) or all(w == nd for w in demand.get(v, ()))
                 for nd, v in zip(outs, eqn.outvars)
             )
@@ -671,6 +676,9 @@ def program_cost(prog: Program) -> float:
     walk(prog)
     return total
 
+
+_COMPUTE_HEAVY = frozenset({"dot_general", "conv_general_dilated"})
+"""Primitives that keep a signature needing no input boxing whatever the lookahead says."""
 
 LOOKAHEAD_ROUNDS = 2
 """Refinement passes after the greedy one (each: a backward demand walk, then a forward pass)."""
