@@ -211,23 +211,7 @@ class _Inference:
         name = eqn.primitive.name
         shapes = ", ".join(f"{tuple(v.aval.shape)}" for v in eqn.invars)
         rule = _registry.get_rule(name, op_desc=f" (operands of shape {shapes} on {self.placement})")
-        ctx = RuleContext(
-            eqn.primitive, dict(eqn.params), tuple(v.aval for v in eqn.invars),
-            tuple(v.aval for v in eqn.outvars), self.placement.hierarchy, tuple(cur),
-        )
-        if rule.nd:
-            cands = list(rule.signatures(ctx))
-        else:
-            cands = list(_expand(list(rule.signatures(ctx)), self.placement.ndim))
-        legal = []
-        for ins, outs in cands:
-            if len(ins) != len(eqn.invars) or len(outs) != len(eqn.outvars):
-                raise SbpError(f"SBP rule for '{name}' returned a signature of the wrong arity: {ins} -> {outs}.")
-            if not all(_valid_nd(nd, v.aval.shape) for nd, v in zip(ins, eqn.invars)):
-                continue
-            if not all(_valid_nd(nd, v.aval.shape) for nd, v in zip(outs, eqn.outvars)):
-                continue
-            legal.append((tuple(tuple(nd) for nd in ins), tuple(tuple(nd) for nd in outs)))
+        legal = _legal_signatures(self.placement, rule, eqn, tuple(cur))
         if not legal:
             lays = ", ".join(f"{tuple(v.aval.shape)} {_sbp.nd_str(l.nd_sbp)}" for v, l in zip(eqn.invars, cur))
             raise SbpError(
@@ -293,8 +277,7 @@ class _Inference:
 
     def prim_step(self, eqn, cur: list[Layout]) -> Step:
         rule, cands = self.candidates(eqn, cur)
-        demand = {v: self.demand[k] for v in eqn.outvars
-                  if not isinstance(v, jcore.DropVar) and (k := self.key(v)) in self.demand}
+        demand = self.demand_of(eqn, self.demand)
         ins, outs = self.choose(eqn, cur, cands, demand)
         if self.depth == 1:
             self.trace.append(("prim", eqn, list(cur), cands))
@@ -311,6 +294,11 @@ class _Inference:
             boxings.append(bx)
         out_lays = [self.lay(nd, v.aval) for nd, v in zip(outs, eqn.outvars)]
         return Step(eqn, in_lays, out_lays, boxings, rule=rule)
+
+    def demand_of(self, eqn, table) -> dict:
+        """The wanted layouts of ``eqn``'s outputs, by output var, from a value -> layouts table."""
+        return {v: table[k] for v in eqn.outvars
+                if not isinstance(v, jcore.DropVar) and (k := self.key(v)) in table}
 
     def backward_demand(self, out_vars, out_nd) -> dict:
         """Walk the recorded top-scope decisions backwards: each equation, knowing what its
@@ -331,8 +319,7 @@ class _Inference:
                     ask(v, nd)
                 continue
             _, eqn, cur, cands = entry
-            demand = {v: want[k] for v in eqn.outvars
-                      if not isinstance(v, jcore.DropVar) and (k := self.key(v)) in want}
+            demand = self.demand_of(eqn, want)
             ins = _carry_through(eqn, cands, demand)
             if ins is None:
                 ins, _ = self.choose(eqn, cur, cands, demand, reuse=False)
@@ -714,20 +701,31 @@ def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
 # -------------------------------------------------------------------------------------------
 
 
-def candidate_signatures(placement, eqn) -> list[tuple[tuple, tuple]]:
-    """Every nd signature the rule of ``eqn`` offers on ``placement`` (after expansion)."""
-    rule = _registry.get_rule(eqn.primitive.name)
+def _legal_signatures(placement, rule, eqn, cur=()) -> list[tuple[tuple, tuple]]:
+    """The nd signatures ``rule`` offers for ``eqn`` on ``placement`` (per-axis rules expanded over
+    the axes), normalised to tuples, without those that split a missing dim or mix partial kinds."""
     ctx = RuleContext(eqn.primitive, dict(eqn.params), tuple(v.aval for v in eqn.invars),
-                      tuple(v.aval for v in eqn.outvars), placement.hierarchy, ())
+                      tuple(v.aval for v in eqn.outvars), placement.hierarchy, cur)
     if rule.nd:
-        cands = [_norm_sig(s) for s in rule.signatures(ctx)]
+        cands = [_norm_sig(sig) for sig in rule.signatures(ctx)]
     else:
         cands = list(_expand(list(rule.signatures(ctx)), placement.ndim))
-    return [
-        (ins, outs) for ins, outs in cands
-        if all(_valid_nd(nd, v.aval.shape) for nd, v in zip(ins, eqn.invars))
-        and all(_valid_nd(nd, v.aval.shape) for nd, v in zip(outs, eqn.outvars))
-    ]
+    legal = []
+    for ins, outs in cands:
+        if len(ins) != len(eqn.invars) or len(outs) != len(eqn.outvars):
+            raise SbpError(
+                f"SBP rule for '{eqn.primitive.name}' returned a signature of the wrong arity: {ins} -> {outs}."
+            )
+        if all(_valid_nd(nd, v.aval.shape) for nd, v in zip(ins, eqn.invars)) and all(
+            _valid_nd(nd, v.aval.shape) for nd, v in zip(outs, eqn.outvars)
+        ):
+            legal.append((tuple(tuple(nd) for nd in ins), tuple(tuple(nd) for nd in outs)))
+    return legal
+
+
+def candidate_signatures(placement, eqn) -> list[tuple[tuple, tuple]]:
+    """Every nd signature the rule of ``eqn`` offers on ``placement`` (after expansion)."""
+    return _legal_signatures(placement, _registry.get_rule(eqn.primitive.name), eqn)
 
 
 def forced_program(placement, closed, in_nds, out_nds) -> Program:
