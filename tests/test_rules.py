@@ -352,6 +352,15 @@ case("scatter-add", lambda t, i, u: t.at[i].add(u), f32(9, 5), i32(3, 3), f32(3,
 case("scatter-add", lambda t, i, u: t.at[:, i].add(u), f32(7, 9), i32(5), f32(7, 5), dom={1: "idx:9"})
 case("scatter-add", lambda t, i, u: t.at[i].add(u, mode="clip"), f32(10, 6), i32(9), f32(9, 6), dom={1: "oob:10"})
 case("scatter-add", lambda t, i, u: t.at[i].add(u, mode="drop"), f32(10, 6), i32(9), f32(9, 6), dom={1: "oob:10"})
+# batching dims (take_along_axis, as in cross-entropy on integer labels, and its gradient)
+case("gather", lambda x, i: jnp.take_along_axis(x, i, axis=-1), f32(7, 5, 6), i32(7, 5, 1), dom={1: "idx:6"})
+case("gather", lambda x, i: jnp.take_along_axis(x, i, axis=-1), f32(8, 4, 3), i32(8, 4, 2), dom={1: "idx:3"})
+case("scatter-add", lambda x, i, u: jax.vjp(lambda y: jnp.take_along_axis(y, i, axis=-1), x)[1](u)[0],
+     f32(7, 5, 6), i32(7, 5, 1), f32(7, 5, 1), dom={1: "idx:6"})
+case("scatter", lambda x, i, u: lax.scatter(x, i, u, lax.ScatterDimensionNumbers(
+        update_window_dims=(), inserted_window_dims=(2,), scatter_dims_to_operand_dims=(2,),
+        operand_batching_dims=(0, 1), scatter_indices_batching_dims=(0, 1))),
+     f32(7, 5, 6), i32(7, 5, 1), f32(7, 5), dom={1: "idx:6"})
 
 # -- PRNG ---------------------------------------------------------------------------------------
 case("random_seed", lambda s: jax.random.key(s), i32())

@@ -19,19 +19,24 @@ def _gather_sigs(ctx):
     out_rank = len(ctx.out_shapes[0])
     slice_sizes = ctx.params["slice_sizes"]
     offset_dims = tuple(dn.offset_dims)
+    op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
     batch_out = [d for d in range(out_rank) if d not in offset_dims]
-    if not tuple(getattr(dn, "operand_batching_dims", ())):
-        # indices batch dims (all but the last, the index vector) -> output batch dims
-        for i in range(len(idx_shape) - 1):
+    # indices batch dims (all but the last, the index vector) -> output batch dims; a batching
+    # dim (take_along_axis) pairs with an operand dim, which is split with it
+    for i in range(len(idx_shape) - 1):
+        if i in idx_batching:
+            yield (Split(op_batching[idx_batching.index(i)]), Split(i)), (Split(batch_out[i]),)
+        else:
             yield (B, Split(i)), (Split(batch_out[i]),)
-        # operand dims taken whole (not indexed, not collapsed) -> output offset dims
-        kept = [d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims]
-        for j, d in enumerate(kept):
-            if d not in dn.start_index_map and slice_sizes[d] == op_shape[d]:
-                yield (Split(d), B), (Split(offset_dims[j]),)
-        # vocab parallel: table split on the single gathered, collapsed dim -> P
-        if len(dn.start_index_map) == 1 and dn.start_index_map[0] in dn.collapsed_slice_dims:
-            yield (Split(dn.start_index_map[0]), B), (P,)
+    # operand dims taken whole (not indexed, collapsed or batching) -> output offset dims
+    kept = [d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims and d not in op_batching]
+    for j, d in enumerate(kept):
+        if d not in dn.start_index_map and slice_sizes[d] == op_shape[d]:
+            yield (Split(d), B), (Split(offset_dims[j]),)
+    # vocab parallel: table split on the single gathered, collapsed dim -> P
+    if len(dn.start_index_map) == 1 and dn.start_index_map[0] in dn.collapsed_slice_dims:
+        yield (Split(dn.start_index_map[0]), B), (P,)
     yield (B, B), (B,)
     yield (P, B), (P,)
 
@@ -71,8 +76,9 @@ def _gather_local(st, ins):
     lay = st.in_layouts[0]
     mode = params["mode"]
     sizes = list(params["slice_sizes"])
+    batching = tuple(getattr(dn, "operand_batching_dims", ()))
     for d, sp in enumerate(lay.splitters):
-        if sp and d not in dn.start_index_map:
+        if sp and d not in dn.start_index_map and d not in batching:
             sizes[d] = lay.local_shape[d]
     params["slice_sizes"] = tuple(sizes)
     vocab = [d for d in dn.start_index_map if lay.splitters[d]]
@@ -121,27 +127,33 @@ def _scatter_sigs(ctx):
     op_shape, idx_shape, upd_shape = ctx.in_shapes
     upd_window = tuple(dn.update_window_dims)
     upd_batch = [d for d in range(len(upd_shape)) if d not in upd_window]
+    op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
     additive = ctx.primitive.name in _ADDITIVE
-    if not tuple(getattr(dn, "operand_batching_dims", ())):
-        if additive:
+    for i, ud in enumerate(upd_batch):
+        if i in idx_batching:
+            # a batching dim (take_along_axis' gradient): operand, indices and updates split together
+            od = op_batching[idx_batching.index(i)]
+            yield (Split(od), Split(i), Split(ud)), (Split(od),)
+        elif additive:
             # each device scatters its own updates into its own addend of the operand: P
-            for i, ud in enumerate(upd_batch):
-                yield (P, Split(i), Split(ud)), (P,)
-            # scatter-add is linear in (operand, updates) together
-            yield (P, B, P), (P,)
-        # operand split on the single scattered dim (the vocab-parallel gradient): every device
-        # applies the updates that land in its rows
-        if (
-            len(dn.scatter_dims_to_operand_dims) == 1
-            and dn.scatter_dims_to_operand_dims[0] in dn.inserted_window_dims
-        ):
-            d = dn.scatter_dims_to_operand_dims[0]
-            yield (Split(d), B, B), (Split(d),)
-        # operand dims that are window dims taken whole stay split with the update's window dim
-        kept = [d for d in range(len(op_shape)) if d not in dn.inserted_window_dims]
-        for j, d in enumerate(kept):
-            if d not in dn.scatter_dims_to_operand_dims and upd_shape[upd_window[j]] == op_shape[d]:
-                yield (Split(d), B, Split(upd_window[j])), (Split(d),)
+            yield (P, Split(i), Split(ud)), (P,)
+    if additive:
+        # scatter-add is linear in (operand, updates) together
+        yield (P, B, P), (P,)
+    # operand split on the single scattered dim (the vocab-parallel gradient): every device
+    # applies the updates that land in its rows
+    if (
+        len(dn.scatter_dims_to_operand_dims) == 1
+        and dn.scatter_dims_to_operand_dims[0] in dn.inserted_window_dims
+    ):
+        d = dn.scatter_dims_to_operand_dims[0]
+        yield (Split(d), B, B), (Split(d),)
+    # operand dims that are window dims taken whole stay split with the update's window dim
+    kept = [d for d in range(len(op_shape)) if d not in dn.inserted_window_dims and d not in op_batching]
+    for j, d in enumerate(kept):
+        if d not in dn.scatter_dims_to_operand_dims and upd_shape[upd_window[j]] == op_shape[d]:
+            yield (Split(d), B, Split(upd_window[j])), (Split(d),)
     yield (B, B, B), (B,)
 
 
