@@ -6,7 +6,8 @@ candidate that needs no boxing, otherwise the cheapest boxing (bytes per device 
 cost per collective, ``_boxing.plan_cost``). That greedy choice cannot see past one equation, so
 a backward walk then collects the layouts each value's consumers want (seeded by ``out_sbp`` and
 annotations) and another forward pass charges each candidate the boxing of its outputs to those
-layouts as well; the cheapest whole program is kept. Call-like primitives (``jit``, ``custom_jvp_call``,
+layouts as well; the cheapest whole program is kept. A second seed keeps the program inputs in
+their given layouts where it can (see ``infer``). Call-like primitives (``jit``, ``custom_jvp_call``,
 ``custom_vjp_call``, ``remat``) are inlined; ``scan`` / ``while`` carries get a fixed-point layout;
 ``cond`` branches are boxed to a common output layout.
 
@@ -99,27 +100,26 @@ def _norm_sig(sig):
     return tuple(ins), (outs,) if isinstance(outs, _sbp.Sbp) else tuple(outs)
 
 
-def _expand(per_axis, naxes):
-    sigs = list(dict.fromkeys(_norm_sig(s) for s in per_axis))
-    for combo in itertools.product(sigs, repeat=naxes):
-        n_in = len(combo[0][0])
-        n_out = len(combo[0][1])
-        ins = tuple(tuple(c[0][i] for c in combo) for i in range(n_in))
-        outs = tuple(tuple(c[1][i] for c in combo) for i in range(n_out))
-        yield ins, outs
-
-
 class _Inference:
-    def __init__(self, placement, demand: dict | None = None, cands_cache: dict | None = None):
+    def __init__(self, placement, demand: dict | None = None, cands_cache: dict | None = None,
+                 anchored: frozenset = frozenset()):
         self.placement = placement
+        # values that keep their layout wherever some signature allows it (the program inputs, in
+        # the anchored seed of ``infer``): consumers box around them
+        self.anchored = anchored
         self.cands_cache = {} if cands_cache is None else cands_cache
         self.boxed: set = set()  # (var, nd-sbp) pairs already boxed in the current program
+        self.converted: set = set()  # every value an equation's signature converted, any scope
         self.alias: dict = {}  # inlined call: sub-jaxpr invar -> the caller's atom
         # lookahead: value -> the nd-sbps its consumers asked for in an earlier pass; a candidate
         # is charged the boxing of its outputs to them (see ``infer``)
         self.demand = demand or {}
         self.depth = 0  # nesting of separately scoped programs (loop / branch bodies)
         self.trace: list = []  # top-scope decisions, in program order, for ``_backward_demand``
+
+    def boxed_inputs(self, inputs) -> bool:
+        """Whether this pass converted any of ``inputs`` (program input variables)."""
+        return not self.converted.isdisjoint(inputs)
 
     def key(self, v):
         while v in self.alias:
@@ -201,7 +201,10 @@ class _Inference:
     def candidates(self, eqn, cur: list[Layout]):
         """The rule of ``eqn`` and its legal nd signatures on this placement (memoised across
         the passes of one ``infer``: rules may look at the current layouts, so they are the key)."""
-        key = (eqn, tuple(l.nd_sbp for l in cur))
+        key = _eqn_key(eqn)
+        rule = _registry._RULES.get(eqn.primitive.name)
+        if rule is not None and rule.nd:  # an nd rule may look at the current layouts
+            key = (key, tuple(l.nd_sbp for l in cur))
         hit = self.cands_cache.get(key)
         if hit is None:
             hit = self.cands_cache[key] = self._candidates(eqn, cur)
@@ -231,6 +234,13 @@ class _Inference:
         # outright; only the tie-breakers rank those
         cur_nd = tuple(l.nd_sbp for l in cur)
         as_is = [(ins, outs) for ins, outs in cands if ins == cur_nd]
+        if self.anchored:
+            keep = [
+                (ins, outs) for ins, outs in cands
+                if all(nd == lay.nd_sbp for nd, lay, v in zip(ins, cur, eqn.invars)
+                       if not isinstance(v, jcore.Literal) and self.key(v) in self.anchored)
+            ]
+            cands = keep or cands
         if as_is and eqn.primitive.name in _COMPUTE_HEAVY:
             # bytes are not the whole cost here: gathering the operands of a matmul to save a
             # reduction of its result would repeat the whole product on every device
@@ -244,28 +254,60 @@ class _Inference:
         ]
         if free:
             cands = free
-        for ins, outs in cands:
-            cost, out_cost, nmoves, exact = 0.0, 0.0, 0, True
-            for lay, nd, v in zip(cur, ins, eqn.invars):
-                if lay.nd_sbp != nd:
-                    exact = False
-                    if reuse and not isinstance(v, jcore.Literal) and (self.key(v), nd) in self.boxed:
-                        continue  # reuse the earlier conversion
+        if len(cands) == 1:
+            return cands[0]
+        # many candidates share an operand's layout: cost each (operand, layout) once
+        in_memo: dict = {}
+        out_memo: dict = {}
+
+        def in_cost(i, nd):
+            k = (i, nd)
+            hit = in_memo.get(k)
+            if hit is None:
+                lay, v = cur[i], eqn.invars[i]
+                if lay.nd_sbp == nd:
+                    hit = (0.0, 0, True)
+                elif reuse and not isinstance(v, jcore.Literal) and (self.key(v), nd) in self.boxed:
+                    hit = (0.0, 0, False)  # reuse the earlier conversion
+                else:
                     c, n = plan_cost(lay.nd_sbp, nd, lay.shape, hier, _itemsize(v.aval))
-                    cost += c
-                    nmoves += n
-            for nd, v in zip(outs, eqn.outvars):
+                    hit = (c, n, False)
+                in_memo[k] = hit
+            return hit
+
+        def out_cost_of(j, nd):
+            k = (j, nd)
+            hit = out_memo.get(k)
+            if hit is None:
+                v = eqn.outvars[j]
+                c_tot, n_tot, ex = 0.0, 0, True
                 for want in demand.get(v, ()) if not isinstance(v, jcore.DropVar) else ():
                     if want != nd:
-                        exact = False
+                        ex = False
                         c, n = plan_cost(nd, want, tuple(v.aval.shape), hier, _itemsize(v.aval))
-                        out_cost += c
-                        nmoves += n
+                        c_tot += c
+                        n_tot += n
+                hit = out_memo[k] = (c_tot, n_tot, ex)
+            return hit
+
+        naxes = self.placement.ndim
+        for ins, outs in cands:
+            cost, out_cost, nmoves, exact = 0.0, 0.0, 0, True
+            for i, nd in enumerate(ins):
+                c, n, ex = in_cost(i, nd)
+                cost += c
+                nmoves += n
+                exact = exact and ex
+            for j, nd in enumerate(outs):
+                c, n, ex = out_cost_of(j, nd)
+                out_cost += c
+                nmoves += n
+                exact = exact and ex
             n_partial_out = sum(x.is_partial for nd in outs for x in nd)
             # splits created out of nothing (an axis where no input is split) only move work to the
             # consumers, which slice B for free anyway: prefer keeping B
             n_new_split = sum(
-                1 for a in range(self.placement.ndim)
+                1 for a in range(naxes)
                 if any(nd[a].is_split for nd in outs) and not any(nd[a].is_split for nd in ins)
             )
             # at equal cost, convert inputs rather than outputs: the demand moves upstream, where
@@ -291,6 +333,7 @@ class _Inference:
                 key = (self.key(v), w.nd_sbp)
                 bx.reused = key in self.boxed
                 self.boxed.add(key)
+                self.converted.add(key[0])
             boxings.append(bx)
         out_lays = [self.lay(nd, v.aval) for nd, v in zip(outs, eqn.outvars)]
         return Step(eqn, in_lays, out_lays, boxings, rule=rule)
@@ -361,6 +404,18 @@ def _carry_through(eqn, cands, demand):
         if outs == (d,) and ins == want_ins:
             return ins
     return None
+
+
+def _eqn_key(eqn):
+    """What a rule's signatures depend on: the primitive, its parameters and the operand types
+    (equal for the many equations of a program that do the same thing to the same shapes)."""
+    try:
+        key = (eqn.primitive, tuple(sorted(eqn.params.items())),
+               tuple(v.aval for v in eqn.invars), tuple(v.aval for v in eqn.outvars))
+        hash(key)
+        return key
+    except TypeError:  # an unhashable parameter: this equation alone
+        return eqn
 
 
 def _call_jaxpr(eqn):
@@ -670,6 +725,10 @@ _COMPUTE_HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 LOOKAHEAD_ROUNDS = 2
 """Refinement passes after the greedy one (each: a backward demand walk, then a forward pass)."""
 
+SEED_SLACK = 1.25
+"""The free seed is refined only if its greedy program costs less than this times the anchored
+seed's best (a refinement pass rarely gains more; skipping it saves first-call time)."""
+
 
 def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     """Greedy forward inference, then up to ``LOOKAHEAD_ROUNDS`` refinements: a backward walk
@@ -677,21 +736,46 @@ def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     new forward pass charges every candidate the boxing of its outputs to those layouts. This sees
     past one equation: an optimizer update whose result must come back replicated keeps its
     gradient's all-reduce instead of a reduce-scatter now and all-gathers later. The cheapest
-    program (``program_cost``) wins."""
+    program (``program_cost``) wins.
+
+    Two seeds: the *free* one boxes whatever is cheapest per equation; the *anchored* one keeps
+    the program's inputs (parameters, optimizer state, batch) in the layouts the user gave them
+    wherever a signature allows, and boxes the activations around them. One equation at a time,
+    gathering a small weight often looks cheaper than gathering an activation, and the free seed
+    drifts into a ZeRO-3-like plan (a collective per weight, both ways) where the user wrote
+    Megatron; the anchored seed follows the annotations as GSPMD's propagation does. The anchored
+    seed only runs when the free one converted an input (else it would choose the same), and the
+    free seed is only refined when its greedy program is within ``SEED_SLACK`` of the anchored
+    result."""
     jaxpr = _dce(jaxpr)
-    inf = _Inference(placement)
-    best = inf.program(jaxpr, consts, in_layouts, out_nd)
-    best_cost = program_cost(best)
-    for _ in range(LOOKAHEAD_ROUNDS):
-        if best_cost == 0.0:
-            break
-        demand = inf.backward_demand(jaxpr.outvars, out_nd)
-        inf = _Inference(placement, demand, inf.cands_cache)
-        prog = inf.program(jaxpr, consts, in_layouts, out_nd)
+    cache: dict = {}
+    inputs = frozenset(jaxpr.invars)
+
+    def refine(inf, prog, anchored):
         cost = program_cost(prog)
-        if cost >= best_cost:
-            break
-        best, best_cost = prog, cost
+        for _ in range(LOOKAHEAD_ROUNDS):
+            if cost == 0.0:
+                break
+            demand = inf.backward_demand(jaxpr.outvars, out_nd)
+            inf = _Inference(placement, demand, cache, anchored)
+            new = inf.program(jaxpr, consts, in_layouts, out_nd)
+            new_cost = program_cost(new)
+            if new_cost >= cost:
+                break
+            prog, cost = new, new_cost
+        return prog, cost
+
+    free = _Inference(placement, None, cache)
+    free_prog = free.program(jaxpr, consts, in_layouts, out_nd)
+    if not free.boxed_inputs(inputs):
+        # no input was converted: the anchored seed would choose exactly the same
+        return refine(free, free_prog, frozenset())[0]
+    anch = _Inference(placement, None, cache, inputs)
+    best, best_cost = refine(anch, anch.program(jaxpr, consts, in_layouts, out_nd), inputs)
+    if program_cost(free_prog) < best_cost * SEED_SLACK:
+        prog, cost = refine(free, free_prog, frozenset())
+        if cost < best_cost:
+            best = prog
     return best
 
 
@@ -706,20 +790,57 @@ def _legal_signatures(placement, rule, eqn, cur=()) -> list[tuple[tuple, tuple]]
     the axes), normalised to tuples, without those that split a missing dim or mix partial kinds."""
     ctx = RuleContext(eqn.primitive, dict(eqn.params), tuple(v.aval for v in eqn.invars),
                       tuple(v.aval for v in eqn.outvars), placement.hierarchy, cur)
-    if rule.nd:
-        cands = [_norm_sig(sig) for sig in rule.signatures(ctx)]
-    else:
-        cands = list(_expand(list(rule.signatures(ctx)), placement.ndim))
-    legal = []
-    for ins, outs in cands:
-        if len(ins) != len(eqn.invars) or len(outs) != len(eqn.outvars):
+    n_in, n_out = len(eqn.invars), len(eqn.outvars)
+    ranks = [len(v.aval.shape) for v in eqn.invars] + [len(v.aval.shape) for v in eqn.outvars]
+
+    def arity(ins, outs):
+        if len(ins) != n_in or len(outs) != n_out:
             raise SbpError(
                 f"SBP rule for '{eqn.primitive.name}' returned a signature of the wrong arity: {ins} -> {outs}."
             )
-        if all(_valid_nd(nd, v.aval.shape) for nd, v in zip(ins, eqn.invars)) and all(
-            _valid_nd(nd, v.aval.shape) for nd, v in zip(outs, eqn.outvars)
-        ):
-            legal.append((tuple(tuple(nd) for nd in ins), tuple(tuple(nd) for nd in outs)))
+
+    def in_range(x, rank):
+        return (not x.is_split) or 0 <= x.dim < rank
+
+    if rule.nd:
+        legal = []
+        for sig in rule.signatures(ctx):
+            ins, outs = _norm_sig(sig)
+            arity(ins, outs)
+            if all(_valid_nd(nd, (0,) * r) for nd, r in zip((*ins, *outs), ranks)):
+                legal.append((tuple(tuple(nd) for nd in ins), tuple(tuple(nd) for nd in outs)))
+        return legal
+    # per-axis signatures: drop those splitting a missing dim before expanding over the axes
+    per_axis = []
+    for sig in dict.fromkeys(_norm_sig(s) for s in rule.signatures(ctx)):
+        arity(*sig)
+        if all(in_range(x, r) for x, r in zip((*sig[0], *sig[1]), ranks)):
+            per_axis.append(sig)
+    if placement.ndim == 1:
+        return [(tuple((x,) for x in ins), tuple((x,) for x in outs)) for ins, outs in per_axis]
+    # an nd operand may not mix partial kinds (partial_sum on one axis, partial_max on another)
+    kinds = [
+        tuple(x.reduce if x.is_partial else None for x in (*ins, *outs)) for ins, outs in per_axis
+    ]
+    legal = []
+    for combo in itertools.product(range(len(per_axis)), repeat=placement.ndim):
+        ok = True
+        for k in range(n_in + n_out):
+            seen = None
+            for c in combo:
+                r = kinds[c][k]
+                if r is not None:
+                    if seen is not None and r != seen:
+                        ok = False
+                        break
+                    seen = r
+            if not ok:
+                break
+        if ok:
+            legal.append((
+                tuple(tuple(per_axis[c][0][i] for c in combo) for i in range(n_in)),
+                tuple(tuple(per_axis[c][1][i] for c in combo) for i in range(n_out)),
+            ))
     return legal
 
 
