@@ -88,11 +88,13 @@ def _itemsize(aval) -> int:
         return 4
 
 
-def _valid_nd(nd, shape) -> bool:
-    kinds = {x.reduce for x in nd if x.is_partial}
-    if len(kinds) > 1:
-        return False
-    return all((not x.is_split) or 0 <= x.dim < len(shape) for x in nd)
+def _one_partial_kind(nd) -> bool:
+    """An nd-sbp may not mix partial kinds (partial_sum on one axis, partial_max on another)."""
+    return len({x.reduce for x in nd if x.is_partial}) <= 1
+
+
+def _in_rank(x, rank) -> bool:
+    return (not x.is_split) or 0 <= x.dim < rank
 
 
 def _norm_sig(sig):
@@ -673,12 +675,17 @@ _EMIT = {
 # -------------------------------------------------------------------------------------------
 
 
+def subprograms(st: Step) -> list[Program]:
+    """The programs nested in a step (a call's, a scan / loop body, cond branches)."""
+    subs = st.sub if isinstance(st.sub, (list, tuple)) else ([st.sub] if st.sub is not None else [])
+    return [s for s in subs if isinstance(s, Program)]
+
+
 def iter_steps(prog: Program, depth=0):
-    """Yield (depth, step) for every step, nested programs included, then output boxings."""
+    """Yield (depth, step) for every step, nested programs included."""
     for st in prog.steps:
         yield depth, st
-        subs = st.sub if isinstance(st.sub, (list, tuple)) else ([st.sub] if st.sub is not None else [])
-        for s in subs:
+        for s in subprograms(st):
             yield from iter_steps(s, depth + 1)
 
 
@@ -698,25 +705,15 @@ def _dce(jaxpr):
 def program_cost(prog: Program) -> float:
     """Bytes per device plus a fixed latency per collective, over every boxing of ``prog`` (what
     really moves: the planner's tie-breaking penalties on local moves are left out)."""
-    total = 0.0
-
-    def add(bxs):
-        nonlocal total
-        for bx in bxs:
-            if not bx.reused:
-                total += sum(m.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if m.collective else 0.0) for m in bx.moves)
-
-    def walk(p):
-        add(p.out_boxings)
-        for st in p.steps:
-            add(st.boxings)
-            subs = st.sub if isinstance(st.sub, (list, tuple)) else ([st.sub] if st.sub is not None else [])
-            for s in subs:
-                if isinstance(s, Program):
-                    walk(s)
-
-    walk(prog)
-    return total
+    boxings = list(prog.out_boxings)
+    for _, st in iter_steps(prog):
+        boxings += st.boxings
+        for sub in subprograms(st):
+            boxings += sub.out_boxings
+    return sum(
+        m.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if m.collective else 0.0)
+        for bx in boxings if not bx.reused for m in bx.moves
+    )
 
 
 _COMPUTE_HEAVY = frozenset({"dot_general", "conv_general_dilated"})
@@ -799,48 +796,27 @@ def _legal_signatures(placement, rule, eqn, cur=()) -> list[tuple[tuple, tuple]]
                 f"SBP rule for '{eqn.primitive.name}' returned a signature of the wrong arity: {ins} -> {outs}."
             )
 
-    def in_range(x, rank):
-        return (not x.is_split) or 0 <= x.dim < rank
-
     if rule.nd:
         legal = []
         for sig in rule.signatures(ctx):
             ins, outs = _norm_sig(sig)
             arity(ins, outs)
-            if all(_valid_nd(nd, (0,) * r) for nd, r in zip((*ins, *outs), ranks)):
-                legal.append((tuple(tuple(nd) for nd in ins), tuple(tuple(nd) for nd in outs)))
+            nds = [tuple(nd) for nd in (*ins, *outs)]
+            if all(_one_partial_kind(nd) and all(_in_rank(x, r) for x in nd) for nd, r in zip(nds, ranks)):
+                legal.append((tuple(nds[:n_in]), tuple(nds[n_in:])))
         return legal
     # per-axis signatures: drop those splitting a missing dim before expanding over the axes
     per_axis = []
     for sig in dict.fromkeys(_norm_sig(s) for s in rule.signatures(ctx)):
         arity(*sig)
-        if all(in_range(x, r) for x, r in zip((*sig[0], *sig[1]), ranks)):
+        if all(_in_rank(x, r) for x, r in zip((*sig[0], *sig[1]), ranks)):
             per_axis.append(sig)
-    if placement.ndim == 1:
-        return [(tuple((x,) for x in ins), tuple((x,) for x in outs)) for ins, outs in per_axis]
-    # an nd operand may not mix partial kinds (partial_sum on one axis, partial_max on another)
-    kinds = [
-        tuple(x.reduce if x.is_partial else None for x in (*ins, *outs)) for ins, outs in per_axis
-    ]
     legal = []
-    for combo in itertools.product(range(len(per_axis)), repeat=placement.ndim):
-        ok = True
-        for k in range(n_in + n_out):
-            seen = None
-            for c in combo:
-                r = kinds[c][k]
-                if r is not None:
-                    if seen is not None and r != seen:
-                        ok = False
-                        break
-                    seen = r
-            if not ok:
-                break
-        if ok:
-            legal.append((
-                tuple(tuple(per_axis[c][0][i] for c in combo) for i in range(n_in)),
-                tuple(tuple(per_axis[c][1][i] for c in combo) for i in range(n_out)),
-            ))
+    for combo in itertools.product(per_axis, repeat=placement.ndim):
+        ins = tuple(tuple(c[0][i] for c in combo) for i in range(n_in))
+        outs = tuple(tuple(c[1][i] for c in combo) for i in range(n_out))
+        if all(_one_partial_kind(nd) for nd in (*ins, *outs)):
+            legal.append((ins, outs))
     return legal
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import _sbp
-from ._compiler import iter_steps
+from ._compiler import iter_steps, subprograms
 from .debug._collectives import COLLECTIVES
 
 __all__ = ["explain", "Plan", "PlanRow", "BoxingRow"]
@@ -128,8 +128,7 @@ def plan_of_program(prog, placement) -> Plan:
             PlanRow(depth, st.eqn.primitive.name, ins, sig, tuple(_sbp.nd_str(l.nd_sbp) for l in st.out_layouts),
                     tuple(_boxing_row(b) for b in st.boxings))
         )
-        subs = st.sub if isinstance(st.sub, (list, tuple)) else ([st.sub] if st.sub is not None else [])
-        for s in subs:
+        for s in subprograms(st):
             for b in s.out_boxings:
                 rows.append(PlanRow(depth + 1, "(carry/branch out)", (b and _sbp.nd_str(b.src.nd_sbp),), "",
                                     (_sbp.nd_str(b.dst.nd_sbp),), (_boxing_row(b),)))
