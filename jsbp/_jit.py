@@ -95,10 +95,33 @@ class _Entry:
     flat_fn: Any  # logical flat function (for the backward program)
     _bwd: Any = None
     _diff: Any = None
+    _out_struct: Any = None
+
+    @property
+    def out_struct(self):
+        """The output pytree with its global tensors as nodes (their layouts in the structure):
+        unflattening the program's physical outputs with it gives the global tensors."""
+        if self._out_struct is None:
+            outs = [GlobalTensor(0, lay) for lay in self.out_layouts]
+            self._out_struct = jax.tree_util.tree_structure(jax.tree_util.tree_unflatten(self.out_tree, outs))
+        return self._out_struct
 
 
 def _is_global(x):
     return isinstance(x, GlobalTensor)
+
+
+def _leaf_type(x):
+    try:
+        return (x.dtype, x.shape)
+    except AttributeError:  # a Python scalar
+        return type(x)
+
+
+def _put_plain(x, lay: Layout):
+    """A plain array or scalar argument, replicated (B) on the placement."""
+    arr = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    return arr if isinstance(arr, jax.core.Tracer) else jax.device_put(arr, lay.sharding)
 
 
 def _partial_squeeze(lays):
@@ -184,6 +207,10 @@ class JitFunction:
         self.out_sbp = out_sbp
         self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
         self._cache: dict = {}
+        # dispatch cache: (structure of the arguments with global tensors as nodes, leaf types,
+        # static args) -> (entry, the plain leaves and their layouts). A global tensor flattens to
+        # its physical array with its layout in the structure, so a hit needs no per-leaf Python.
+        self._fast: dict = {}
         functools.update_wrapper(self, fn)
 
     # -- argument handling -------------------------------------------------------------------
@@ -219,9 +246,7 @@ class JitFunction:
             else:
                 arr = x if isinstance(x, jax.Array) else jnp.asarray(x)
                 lay = layout_of(placement, (_sbp.broadcast,) * placement.ndim, tuple(arr.shape))
-                if not isinstance(arr, jax.core.Tracer):
-                    arr = jax.device_put(arr, lay.sharding)
-                phys.append(arr)
+                phys.append(_put_plain(arr, lay))
                 lays.append(lay)
                 dtypes.append(np.dtype(arr.dtype))
         key = (treedef, tuple(lays), tuple(dtypes), static)
@@ -244,24 +269,41 @@ class JitFunction:
             self._cache[key] = entry
         return entry
 
-    def lower_program(self, *args) -> _Entry:
-        key, placement, treedef, static, lays, dtypes, _ = self._prepare(args)
-        return self._entry(key, placement, treedef, static, lays, dtypes)
-
-    def __call__(self, *args):
+    def _lookup(self, args) -> tuple[_Entry, list]:
+        """The compiled entry for these arguments and the physical arrays to call it with."""
+        dyn, static = self._split(args)
+        leaves, structure = jax.tree_util.tree_flatten(dyn)
+        fast_key = (structure, tuple(map(_leaf_type, leaves)), static)
+        try:
+            hit = self._fast.get(fast_key)
+        except TypeError:  # unhashable static argument: _prepare says so
+            hit, fast_key = None, None
+        if hit is not None:
+            entry, plain = hit
+            for i, lay in plain:
+                leaves[i] = _put_plain(leaves[i], lay)
+            return entry, leaves
         key, placement, treedef, static, lays, dtypes, phys = self._prepare(args)
         entry = self._entry(key, placement, treedef, static, lays, dtypes)
+        if fast_key is not None:
+            is_global = [_is_global(x) for x in jax.tree_util.tree_leaves(dyn, is_leaf=_is_global)]
+            self._fast[fast_key] = (entry, [(i, lays[i]) for i, g in enumerate(is_global) if not g])
+        return entry, phys
+
+    def lower_program(self, *args) -> _Entry:
+        return self._lookup(args)[0]
+
+    def __call__(self, *args):
+        entry, phys = self._lookup(args)
         if any(isinstance(p, jax.core.Tracer) for p in phys):
             outs = _differentiable(entry)(*phys)
         else:
             outs = entry.fn(*phys)
-        outs = [GlobalTensor(o, l) for o, l in zip(outs, entry.out_layouts)]
-        return jax.tree_util.tree_unflatten(entry.out_tree, outs)
+        return jax.tree_util.tree_unflatten(entry.out_struct, outs)
 
     def lower(self, *args):
         """``jax.jit``-style lowering (used by ``jsbp.debug.count_collectives``)."""
-        key, placement, treedef, static, lays, dtypes, phys = self._prepare(args)
-        entry = self._entry(key, placement, treedef, static, lays, dtypes)
+        entry, phys = self._lookup(args)
         return entry.fn.lower(*phys)
 
 

@@ -70,6 +70,28 @@ class Layout:
     nd_sbp: tuple[_sbp.Sbp, ...]
     shape: tuple[int, ...]
 
+    # Layouts key every compiled program (they sit in the pytree structure of each argument), so
+    # hashing and comparing them is on the dispatch path of every jsbp.jit call: hash once,
+    # compare by identity first.
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.placement, self.nd_sbp, self.shape))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return (self.shape, self.nd_sbp, self.placement) == (other.shape, other.nd_sbp, other.placement)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_hash", None)  # string hashes differ between processes
+        return state
+
     # -- per dim ---------------------------------------------------------------------------
     @functools.cached_property
     def splitters(self) -> tuple[tuple[int, ...], ...]:

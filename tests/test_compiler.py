@@ -365,6 +365,42 @@ def test_traced_once_per_signature():
     assert len(calls) == 2
 
 
+def test_repeat_calls_tell_signatures_apart():
+    """Repeat calls skip the per-leaf work (a dispatch cache keyed by the argument structure, in
+    which each global tensor's layout sits); every difference that changes the program still
+    retraces and gives the right answer: layout, logical shape, dtype, plain-argument shape and
+    type, static argument."""
+    calls = []
+
+    def g(x, c, n):
+        return x * n + c
+
+    def f(x, c, n):
+        calls.append(1)
+        return g(x, c, n)
+
+    jf = jsbp.jit(f, static_argnums=2)
+    xv, x7 = rand(8, 4), rand(7, 4)
+    cases = [
+        (gt(xv, P4, "S(0)"), np.float32(2.0), 3),
+        (gt(xv, P4, "S(0)"), np.float32(2.0), 3),  # hit
+        (gt(xv, P4, "S(1)"), np.float32(2.0), 3),  # layout
+        (gt(x7, P4, "S(0)"), np.float32(2.0), 3),  # logical shape (same padded block)
+        (gt(xv.astype(jnp.bfloat16), P4, "S(0)"), np.float32(2.0), 3),  # dtype
+        (gt(xv, P4, "S(0)"), np.arange(4, dtype=np.float32), 3),  # plain argument's shape
+        (gt(xv, P4, "S(0)"), 2, 3),  # Python scalar
+        (gt(xv, P4, "S(0)"), 2, 5),  # static argument
+        (gt(xv, P4, "S(0)"), np.arange(4, dtype=np.float32), 3),  # hit
+    ]
+    for x, c, n in cases:
+        y, ref = jf(x, c, n), g(x.to_jax(), c, n)
+        # bf16: XLA may keep x * n in f32 inside the fused program; eager JAX rounds it first
+        tol = dict(rtol=1e-2, atol=1e-2) if x.dtype == jnp.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+        assert (y.shape, y.dtype, y.sbp) == (ref.shape, ref.dtype, x.sbp)
+        np.testing.assert_allclose(np.asarray(y.numpy(), np.float32), np.asarray(ref, np.float32), **tol)
+    assert len(calls) == len(cases) - 2
+
+
 # -- eager ops -----------------------------------------------------------------------------------------------
 def test_eager_operators_and_methods():
     xv, yv = rand(8, 6), rand(8, 6)
@@ -454,6 +490,31 @@ def _converted_inputs(prog, inputs) -> set:
 
     walk(prog)
     return found
+
+
+@pytest.mark.parametrize("shape", [(8, 12, 5), (7, 13, 5)], ids=["even", "uneven"])
+def test_weight_gradient_is_reduced_before_its_transpose(shape):
+    """Data parallel: the weight gradient is dot_general (P) then transpose. It is reduced before the
+    transpose (dot -> all-reduce -> transpose, as GSPMD emits), not after it: XLA cannot fold the
+    transpose into a matmul whose result feeds a collective and copies both operands instead."""
+    m, k, n = shape
+    xv, wv = rand(m, k), rand(k, n)
+
+    def step(x, w):
+        g = jax.grad(lambda w: jnp.tanh(x @ w).sum())(w)
+        g = jsbp.to_global(g, sbp="B")  # as jsbp.flax pins data-parallel gradients
+        return w - 0.1 * g
+
+    x, w = gt(xv, P4, "S(0)"), gt(wv, P4, "B")
+    f = jsbp.jit(step, out_sbp="B")  # parameters stay replicated
+    out = f(x, w)
+    np.testing.assert_allclose(out.numpy(), np.asarray(step(xv, wv)), rtol=1e-5, atol=1e-6)
+    counts = jsbp.debug.count_collectives(f, x, w)
+    assert counts == {**dict.fromkeys(counts, 0), "all-reduce": 1}
+    plan = jsbp.explain(f, x, w)
+    assert plan.collectives() == counts
+    reduced_at = [r.primitive for r in plan.rows for b in r.boxings if b.collectives]
+    assert reduced_at == ["transpose"], str(plan)
 
 
 def test_megatron_weights_stay_put_without_hints():
