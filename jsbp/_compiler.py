@@ -26,8 +26,9 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from . import _sbp
+from . import _combine, _sbp
 from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, plan_cost, run_plan
+from ._combine import Groups, combine_collectives
 from ._errors import SbpError
 from ._layout import Layout, layout_of
 from .rules import _registry
@@ -48,6 +49,7 @@ class Boxing:
     dst: Layout
     moves: tuple[Move, ...]
     reused: bool = False  # the same value was already boxed to ``dst`` earlier: no new communication
+    group: int | None = None  # runs inside combined collective ``group`` (``_combine``)
 
     @property
     def collectives(self) -> list[str]:
@@ -593,9 +595,26 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
             v = alias[v]
         return v
 
+    groups = None
     for st in prog.steps:
         keys = [v if isinstance(v, jcore.Literal) else key(v) for v in st.eqn.invars]
-        ins = _apply_boxings([read(v) for v in st.eqn.invars], st.boxings, keys, cache)
+        ins = [read(v) for v in st.eqn.invars]
+        boxings = st.boxings
+        if any(bx.group is not None for bx in boxings):  # a member of a combined collective
+            groups = groups or Groups(prog.in_layouts[0].placement)
+            (bx,) = boxings
+            ins[bx.operand] = groups.defer(bx, ins[bx.operand])
+            boxings = ()
+        if groups is not None:
+            if not boxings and any(_combine.is_deferred(x) for x in ins) and _combine.passes_on(st):
+                # a pass-through op on a deferred value: replayed when the group has run
+                y = ins[0]
+                outs = [y if st.kind == "annotate" else y.then(lambda x, st=st: _emit_prim(st, [x])[0])]
+                for v, o in zip(st.eqn.outvars, outs):
+                    env[v] = o
+                continue
+            ins = [groups.resolve(x) for x in ins]
+        ins = _apply_boxings(ins, boxings, keys, cache)
         if st.kind == "call":
             for sub_v, outer in zip(st.sub.jaxpr.invars, keys):
                 if not isinstance(outer, jcore.Literal):
@@ -608,6 +627,8 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
     outs = [read(v) for v in prog.jaxpr.outvars]
+    if groups is not None:
+        outs = [groups.resolve(x) for x in outs]
     return _apply_boxings(outs, prog.out_boxings)
 
 
@@ -783,9 +804,11 @@ seed's best (a refinement pass rarely gains more; skipping it saves first-call t
 
 def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     """The SBP program of ``jaxpr``: the cheapest plan found by ``_search``, with reductions moved
-    ahead of transposes where that costs nothing (``_reduce_before_transposes``)."""
+    ahead of transposes where that costs nothing (``_reduce_before_transposes``) and small
+    reduce-scatters / all-gathers batched into combined collectives (``_combine``)."""
     prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd)
     _reduce_before_transposes(prog)
+    combine_collectives(prog)
     return prog
 
 

@@ -23,11 +23,14 @@ class BoxingRow:
     bytes_per_device: float
     shape: tuple[int, ...]
     reused: bool = False
+    combined: int | None = None  # part of combined collective number ``combined`` (counted once)
 
     def __str__(self):
         kinds = "+".join(self.collectives) if self.collectives else "local"
         if self.reused:
             kinds = "reused"
+        if self.combined is not None:
+            kinds += f", combined #{self.combined}"
         return f"#{self.operand} {self.src}->{self.dst} [{kinds}] {_fmt_bytes(self.bytes_per_device)}"
 
 
@@ -60,6 +63,7 @@ def _boxing_row(bx) -> BoxingRow:
         float(bx.bytes_per_device),
         tuple(bx.src.shape),
         bx.reused,
+        bx.group,
     )
 
 
@@ -75,9 +79,15 @@ class Plan:
         return [b for r in self.rows for b in r.boxings] + list(self.output_boxings)
 
     def collectives(self) -> dict[str, int]:
-        """Collectives the plan inserts, by kind (comparable with ``debug.count_collectives``)."""
+        """Collectives the plan inserts, by kind (comparable with ``debug.count_collectives``):
+        the boxings of one combined collective count once, as the compiled program runs them."""
         out = dict.fromkeys(COLLECTIVES, 0)
+        seen = set()
         for b in self.boxings():
+            if b.combined is not None:
+                if b.combined in seen:
+                    continue
+                seen.add(b.combined)
             for c in b.collectives:
                 out[c] += 1
         return out

@@ -326,7 +326,7 @@ def test_out_sbp_forces_layout():
     xv = rand(8, 6)
     y = jsbp.jit(lambda x: x.sum(0), out_sbp="B")(gt(xv, P4, "S(0)"))
     assert y.sbp == (sbp.broadcast,)
-    np.testing.assert_allclose(y.numpy(), xv.sum(0), rtol=1e-5)
+    np.testing.assert_allclose(y.numpy(), xv.sum(0), rtol=1e-5, atol=1e-6)
     a, b = jsbp.jit(lambda x: (x, x.sum(0)), out_sbp=["S(1)", None])(gt(xv, P4, "S(0)"))
     assert a.sbp == (sbp.split(1),) and b.sbp == (sbp.partial_sum,)
 
@@ -515,6 +515,60 @@ def test_weight_gradient_is_reduced_before_its_transpose(shape):
     assert plan.collectives() == counts
     reduced_at = [r.primitive for r in plan.rows for b in r.boxings if b.collectives]
     assert reduced_at == ["transpose"], str(plan)
+
+
+_COMBINE_CASES = [  # (shape, split dim, dtype): two dtypes -> two combined collectives
+    ((8, 16), 0, np.float32), ((16, 8, 4), 1, np.float32), ((24,), 0, np.float32),
+    ((8, 8), 1, jnp.bfloat16), ((8, 4), 0, jnp.bfloat16),
+    ((7, 4), 0, np.float32),  # uneven: runs on its own
+]
+
+
+def _addends(shape, plc, dtype):
+    """A P global tensor with a different random addend on every device, and its value."""
+    locs = [RNG.standard_normal(shape).astype(dtype) for _ in range(plc.size)]
+    return jsbp.from_local(locs, placement=plc, sbp=("P",) * plc.ndim), sum(np.asarray(x, np.float64) for x in locs)
+
+
+@pytest.mark.parametrize("plc", [P4, R24], ids=["4", "2x4"])
+def test_small_reduce_scatters_and_all_gathers_run_combined(plc):
+    """Many small reduce-scatters (ZeRO gradients) run as one collective per dtype, and so do the
+    all-gathers back; results equal the separate collectives' and the compiled program has
+    exactly the collectives the plan counts."""
+    def nd(d):
+        return (f"S({d})",) * plc.ndim
+
+    xs, refs = zip(*[_addends(shape, plc, dt) for shape, _, dt in _COMBINE_CASES])
+    scatter = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=nd(d)) for x, (_, d, _) in zip(a, _COMBINE_CASES)])
+    gather = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=("B",) * plc.ndim) for x in a])
+    for f, args in [(scatter, xs), (gather, scatter(*xs))]:
+        outs = f(*args)
+        for o, ref, (_, _, dt) in zip(outs, refs, _COMBINE_CASES):
+            tol = 2e-2 if dt == jnp.bfloat16 else 1e-5
+            np.testing.assert_allclose(np.asarray(o.numpy(), np.float64), ref, rtol=tol, atol=tol)
+        plan, counts = jsbp.explain(f, *args), jsbp.debug.count_collectives(f, *args)
+        kind = "reduce-scatter" if f is scatter else "all-gather"
+        assert [b.collectives for b in plan.boxings()] == [(kind,)] * len(_COMBINE_CASES), str(plan)
+        assert [b.combined is not None for b in plan.boxings()] == [True] * 5 + [False]
+        assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), kind: 3}
+
+
+def test_a_value_read_before_the_next_reduce_scatter_is_not_held_back():
+    """A combined collective waits for nothing it does not have to: here the first result is
+    used before the second reduce-scatter is asked for, so the two run apart."""
+    (a, ra), (b, rb) = _addends((8, 4), P4, np.float32), _addends((8, 4), P4, np.float32)
+
+    def f(a, b):
+        a = jsbp.to_global(a, sbp="S(0)")
+        b = jsbp.to_global(b * jnp.tanh(a).sum(), sbp="S(0)")
+        return a, b
+
+    got_a, got_b = jsbp.jit(f)(a, b)
+    np.testing.assert_allclose(got_a.numpy(), ra, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_b.numpy(), rb * np.tanh(ra).sum(), rtol=1e-4, atol=1e-4)
+    plan = jsbp.explain(f, a, b)
+    assert not [b for b in plan.boxings() if b.combined is not None]
+    assert jsbp.debug.count_collectives(jsbp.jit(f), a, b) == plan.collectives()
 
 
 def test_megatron_weights_stay_put_without_hints():
