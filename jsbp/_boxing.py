@@ -159,9 +159,9 @@ def plan(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, .
     return tuple(dataclasses.replace(m, bytes_per_device=m.bytes_per_device * total) for m in path)
 
 
-def _best(src, dst, ndim, hierarchy, total):
+def _best(src, dst, ndim, hierarchy, total, frontier=None):
     best = None
-    for (a, b), path in _frontier(src, dst, ndim, hierarchy):
+    for (a, b), path in (frontier or _frontier)(src, dst, ndim, hierarchy):
         cost = a * total + b
         if best is None or cost < best[0] - 1e-9:
             best = (cost, path)
@@ -169,11 +169,18 @@ def _best(src, dst, ndim, hierarchy, total):
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def plan_cost(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int):
-    """(``move_cost`` summed over ``plan``'s moves, number of moves), without building them."""
+def plan_cost(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int,
+              fixed: str = "src"):
+    """(``move_cost`` summed over ``plan``'s moves, number of moves), without building them.
+
+    ``fixed``: which end the caller holds fixed while varying the other ("src": one value costed
+    into many layouts; "dst": many candidate layouts costed into one wanted layout). It picks the
+    search that serves the most calls from one run (from ``src``, or backwards to ``dst``); the
+    answer is the same either way."""
     if src == dst:
         return 0.0, 0
-    cost, path = _best(src, dst, len(shape), hierarchy, float(math.prod(shape) * itemsize))
+    frontier = _frontier_to if fixed == "dst" else _frontier
+    cost, path = _best(src, dst, len(shape), hierarchy, float(math.prod(shape) * itemsize), frontier)
     return cost, len(path)
 
 
@@ -183,13 +190,21 @@ def _frontier(src, dst, ndim, hierarchy):
     ((bytes coefficient, fixed cost), moves with per-byte ``bytes_per_device``)."""
     budget = sum(1 for a, b in zip(src, dst) if a != b)
     reach = _reach(src, ndim, hierarchy)
-    paths = _pareto([(lab, path) for (state, used), labs in reach.items()
-                     if state == dst and used <= budget for lab, path in labs])
+    paths = _pareto([lab for used in range(budget + 1) for lab in reach.get((dst, used), ())])
     if not paths:  # an outer split moving under an inner one: more collectives than axes
         paths = _pareto(_search(src, dst, ndim, hierarchy))
     if not paths:  # every pair is connected via B
         raise AssertionError(f"no boxing path from {src} to {dst}")
     return tuple(paths)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _frontier_to(src, dst, ndim, hierarchy):
+    """``_frontier`` from a backward search to ``dst`` (same paths and costs)."""
+    budget = sum(1 for a, b in zip(src, dst) if a != b)
+    reach = _reach_to(dst, ndim, hierarchy)
+    labs = [lab for used in range(budget + 1) for lab in reach.get((src, used), ())]
+    return tuple(_pareto(labs)) if labs else _frontier(src, dst, ndim, hierarchy)
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -214,41 +229,99 @@ def _reach(src, ndim, hierarchy):
     return _labels(src, ndim, hierarchy, len(hierarchy), None)
 
 
+@functools.lru_cache(maxsize=1 << 12)
+def _reach_to(dst, ndim, hierarchy):
+    """``_reach`` backwards: for every (nd-sbp, collectives used), the non-dominated (cost, path)
+    labels of paths from it to ``dst``."""
+    return _labels(dst, ndim, hierarchy, len(hierarchy), None, backward=True)
+
+
+@functools.lru_cache(maxsize=1 << 8)
+def _unit_preds(ndim, hierarchy):
+    """Every move of the search graph reversed: state -> [(previous state, move, ...)] as
+    ``_unit_steps`` gives them, over every nd-sbp of rank ``ndim`` on ``hierarchy``."""
+    vals = [_sbp.broadcast, _sbp.partial_sum, _sbp.partial_max, _sbp.partial_min]
+    vals += [_sbp.Split(d) for d in range(ndim)]
+    preds: dict = {}
+    for state in itertools.product(vals, repeat=len(hierarchy)):
+        if len({x.reduce for x in state if x.is_partial}) > 1:
+            continue
+        for nxt, mv, da, db, coll in _unit_steps(state, ndim, hierarchy):
+            preds.setdefault(nxt, []).append((state, mv, da, db, coll))
+    return preds
+
+
 def _search(src, dst, ndim, hierarchy):
     """Any number of collectives: the labels reaching ``dst``."""
     labels = _labels(src, ndim, hierarchy, None, dst)
     return [x for key, labs in labels.items() if key[0] == dst for x in labs]
 
 
-def _labels(src, ndim, hierarchy, max_collectives, stop):
+def _labels(src, ndim, hierarchy, max_collectives, stop, backward=False):
     """Label-setting search over (nd-sbp, collectives used) with two-part costs (bytes coefficient
     a, fixed cost b): a path is kept unless another reaching the same state is no worse in both.
-    With ``max_collectives=None`` the count is not tracked; ``stop`` is not expanded further."""
-    counter = itertools.count()
+    With ``max_collectives=None`` the count is not tracked; ``stop`` is not expanded further.
+    ``backward``: search the reversed moves from ``src`` as the destination (paths come out in
+    forward order)."""
+    preds = _unit_preds(ndim, hierarchy) if backward else None
     start = (src, 0)
-    labels: dict = {start: [((0.0, 0.0), ())]}
-    heap = [(0.0, 0.0, next(counter), start, ())]
+    labels: dict = {start: [(0.0, 0.0, 0, ())]}  # key -> [(a, b, label id, path)]
+    alive = {0}  # ids of labels not dominated since they were pushed
+    next_id = 1
+    heap = [(0.0, 0.0, 0, start, ())]
     while heap:
-        b, a, _, key, path = heapq.heappop(heap)
-        state, used = key
-        if not any(lab == (a, b) and p is path for lab, p in labels.get(key, ())):
+        b, a, lid, key, path = heapq.heappop(heap)
+        if lid not in alive:
             continue  # superseded by a label that dominates it
+        state, used = key
         if state == stop:
             continue
-        for nxt, mv in _unit_moves(state, ndim, hierarchy):
-            n_used = used + (1 if mv.collective else 0)
+        # a move into partial-max/min only ends a path: the only way on is back to B by an
+        # all-reduce (a wasted round trip), and other axes' moves cost the same before as after
+        # the entry, so a path that needs such a state can enter it last
+        if not backward and path and _enters_partial_extremum(path[-1]):
+            continue
+        for nxt, mv, da, db, coll in preds.get(state, ()) if backward else _unit_steps(state, ndim, hierarchy):
+            if backward and path and _enters_partial_extremum(mv):
+                continue
+            n_used = used + coll
             if max_collectives is not None and n_used > max_collectives:
                 continue
             nkey = (nxt, n_used if max_collectives is not None else 0)
-            la, lb = a + mv.bytes_per_device, b + move_cost(mv) - mv.bytes_per_device
-            have = labels.setdefault(nkey, [])
-            if any(x[0] <= la + 1e-12 and x[1] <= lb + 1e-9 for x, _ in have):
+            la, lb = a + da, b + db
+            have = labels.get(nkey)
+            if have is None:
+                have = labels[nkey] = []
+            elif any(x[0] <= la + 1e-12 and x[1] <= lb + 1e-9 for x in have):
                 continue
-            npath = path + (mv,)
-            have[:] = [(x, p) for x, p in have if not (la <= x[0] + 1e-12 and lb <= x[1] + 1e-9)]
-            have.append(((la, lb), npath))
-            heapq.heappush(heap, (lb, la, next(counter), nkey, npath))
-    return labels
+            else:
+                keep = []
+                for x in have:
+                    if la <= x[0] + 1e-12 and lb <= x[1] + 1e-9:
+                        alive.discard(x[2])
+                    else:
+                        keep.append(x)
+                have[:] = keep
+            npath = (mv,) + path if backward else path + (mv,)
+            have.append((la, lb, next_id, npath))
+            alive.add(next_id)
+            heapq.heappush(heap, (lb, la, next_id, nkey, npath))
+            next_id += 1
+    return {k: [((a, b), p) for a, b, _, p in v] for k, v in labels.items()}
+
+
+def _enters_partial_extremum(mv: Move) -> bool:
+    return mv.dst.is_partial and mv.dst.reduce != "sum"
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _unit_steps(state, ndim, hierarchy):
+    """``_unit_moves`` with each move's cost split for the search: (next, move, bytes
+    coefficient, fixed cost, 1 if it is a collective)."""
+    return tuple(
+        (nxt, mv, mv.bytes_per_device, move_cost(mv) - mv.bytes_per_device, 1 if mv.collective else 0)
+        for nxt, mv in _unit_moves(state, ndim, hierarchy)
+    )
 
 
 # -------------------------------------------------------------------------------------------

@@ -288,7 +288,7 @@ class _Inference:
                 for want in demand.get(v, ()) if not isinstance(v, jcore.DropVar) else ():
                     if want != nd:
                         ex = False
-                        c, n = plan_cost(nd, want, tuple(v.aval.shape), hier, _itemsize(v.aval))
+                        c, n = plan_cost(nd, want, tuple(v.aval.shape), hier, _itemsize(v.aval), "dst")
                         c_tot += c
                         n_tot += n
                 hit = out_memo[k] = (c_tot, n_tot, ex)
