@@ -609,17 +609,12 @@ def eager_case() -> tuple[dict, dict]:
 
         jf = _ops._CACHE[(jnp.add, (0, 1), (), ())]
         args = (x, y)
-        key, placement, treedef, static, lays, dtypes, phys = jf._prepare(args)
-        entry = jf._entry(key, placement, treedef, static, lays, dtypes)
+        entry, _ = jf._lookup(args)
         xp, yp = x.physical, y.physical
         parts = {
             "`JitFunction.__call__` (skips `eager()`'s cache key)": lambda: jf(x, y).physical,
-            "`JitFunction._prepare` (flatten, layouts, cache key)": lambda: (
-                jf._prepare(args),
-                None,
-            )[1],
-            "`_entry` lookup (hash of the key)": lambda: (
-                jf._entry(key, placement, treedef, static, lays, dtypes),
+            "`JitFunction._lookup` (flatten, dispatch-cache hit)": lambda: (
+                jf._lookup(args),
                 None,
             )[1],
             "compiled program alone `entry.fn(xp, yp)`": lambda: entry.fn(xp, yp),
