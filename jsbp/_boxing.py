@@ -215,6 +215,8 @@ def _unit_moves(state, ndim, hierarchy):
 
 def _pareto(found):
     """The (cost, path) pairs that no other beats (or ties) at every tensor size."""
+    if len(found) <= 1:
+        return list(found)
     out = []
     for (a, b), path in sorted(found, key=lambda x: (x[0][1], x[0][0], len(x[1]))):
         if not any(a2 <= a + 1e-12 and b2 <= b + 1e-9 for (a2, b2), _ in out):
