@@ -188,9 +188,7 @@ def plan_cost(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[i
 def _frontier(src, dst, ndim, hierarchy):
     """Every path from ``src`` to ``dst`` that is the cheapest for some tensor size, as
     ((bytes coefficient, fixed cost), moves with per-byte ``bytes_per_device``)."""
-    budget = sum(1 for a, b in zip(src, dst) if a != b)
-    reach = _reach(src, ndim, hierarchy)
-    paths = _pareto([lab for used in range(budget + 1) for lab in reach.get((dst, used), ())])
+    paths = _within_budget(_reach(src, ndim, hierarchy), dst, src, dst)
     if not paths:  # an outer split moving under an inner one: more collectives than axes
         paths = _pareto(_search(src, dst, ndim, hierarchy))
     if not paths:  # every pair is connected via B
@@ -201,16 +199,15 @@ def _frontier(src, dst, ndim, hierarchy):
 @functools.lru_cache(maxsize=1 << 16)
 def _frontier_to(src, dst, ndim, hierarchy):
     """``_frontier`` from a backward search to ``dst`` (same paths and costs)."""
+    paths = _within_budget(_reach_to(dst, ndim, hierarchy), src, src, dst)
+    return tuple(paths) if paths else _frontier(src, dst, ndim, hierarchy)
+
+
+def _within_budget(reach, state, src, dst):
+    """The Pareto front of ``reach``'s labels at ``state`` using at most one collective per axis
+    that differs between ``src`` and ``dst``."""
     budget = sum(1 for a, b in zip(src, dst) if a != b)
-    reach = _reach_to(dst, ndim, hierarchy)
-    labs = [lab for used in range(budget + 1) for lab in reach.get((src, used), ())]
-    return tuple(_pareto(labs)) if labs else _frontier(src, dst, ndim, hierarchy)
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _unit_moves(state, ndim, hierarchy):
-    """``_moves_from`` for a one-byte tensor of rank ``ndim``: byte costs become coefficients."""
-    return tuple(_moves_from(state, (1,) * ndim, hierarchy, 1))
+    return _pareto([lab for used in range(budget + 1) for lab in reach.get((state, used), ())])
 
 
 def _pareto(found):
@@ -318,11 +315,12 @@ def _enters_partial_extremum(mv: Move) -> bool:
 
 @functools.lru_cache(maxsize=1 << 14)
 def _unit_steps(state, ndim, hierarchy):
-    """``_unit_moves`` with each move's cost split for the search: (next, move, bytes
-    coefficient, fixed cost, 1 if it is a collective)."""
+    """``_moves_from`` for a one-byte tensor of rank ``ndim`` (byte costs become coefficients),
+    each move's cost split for the search: (next, move, bytes coefficient, fixed cost, 1 if it
+    is a collective)."""
     return tuple(
         (nxt, mv, mv.bytes_per_device, move_cost(mv) - mv.bytes_per_device, 1 if mv.collective else 0)
-        for nxt, mv in _unit_moves(state, ndim, hierarchy)
+        for nxt, mv in _moves_from(state, (1,) * ndim, hierarchy, 1)
     )
 
 
@@ -473,23 +471,39 @@ def _embed_table(parent_valid, chunk, k, L_parent):
 # over 8 devices, S(0) -> S(1) the program of XLA's own reshard).
 
 
+def collective_axes(plc, axes: tuple[int, ...]):
+    """(axis name(s) for ``lax`` collectives, number of devices) of a group of placement axes."""
+    names = tuple(plc.axis_names[a] for a in axes)
+    return (names if len(names) > 1 else names[0]), math.prod(plc.hierarchy[a] for a in axes)
+
+
+def gathered_to_dim(g, shape: tuple[int, ...], dim: int):
+    """Blocks gathered on a new leading dim, ``(K, *shape)`` in source order, laid along ``dim``."""
+    g = jnp.moveaxis(g, 0, dim)  # (..., K, shape[dim], ...)
+    return g.reshape(shape[:dim] + (g.shape[dim] * shape[dim],) + shape[dim + 1:])
+
+
+def blocks_first(x, dim: int, n: int):
+    """``x`` with dim ``dim`` cut into ``n`` blocks and the block index moved first: ``(n, ...)``
+    with row ``i`` the block device ``i`` keeps after a reduce-scatter (``x.shape`` with
+    ``x.shape[dim] // n`` at ``dim`` after it)."""
+    s = x.shape
+    return jnp.moveaxis(x.reshape(s[:dim] + (n, s[dim] // n) + s[dim + 1:]), dim, 0)
+
+
 def _all_gather_dim(x, axis_name, dim):
     """``lax.all_gather(x, axis_name, axis=dim, tiled=True)``, gathering on a new leading dim."""
     if dim == 0:
         return lax.all_gather(x, axis_name, axis=0, tiled=True)
-    g = lax.all_gather(x, axis_name, axis=0, tiled=False)  # (K, *x.shape), source order
-    g = jnp.moveaxis(g, 0, dim)  # (..., K, x.shape[dim], ...)
-    return g.reshape(x.shape[:dim] + (g.shape[dim] * x.shape[dim],) + x.shape[dim + 1:])
+    return gathered_to_dim(lax.all_gather(x, axis_name, axis=0, tiled=False), x.shape, dim)
 
 
 def _reduce_scatter_dim(x, axis_name, dim, n):
     """``lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)`` over ``n`` devices."""
     if dim == 0:
         return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-    s = x.shape
-    y = jnp.moveaxis(x.reshape(s[:dim] + (n, s[dim] // n) + s[dim + 1:]), dim, 0)
-    y = lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)  # (1, ...)
-    return y.reshape(s[:dim] + (s[dim] // n,) + s[dim + 1:])
+    y = blocks_first(x, dim, n)
+    return lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True).reshape(y.shape[1:])
 
 
 def _all_to_all_dims(x, axis_name, split, concat, n):
@@ -512,8 +526,7 @@ def _all_to_all_dims(x, axis_name, split, concat, n):
 def _apply_move(x, mv: Move, before: Layout, after: Layout):
     """Run one move on a device's local block ``x`` (padded, partial dim already squeezed)."""
     plc = before.placement
-    names = tuple(plc.axis_names[a] for a in mv.axes)
-    axis_name = names if len(names) > 1 else names[0]
+    axis_name, _ = collective_axes(plc, mv.axes)
     k = tuple(plc.hierarchy[a] for a in mv.axes)  # nested chunking over the group, outer first
     src, dst = mv.src, mv.dst
     chunk = np.array([_group_index_np(c, mv.axes, plc.hierarchy) for c in before.coords])

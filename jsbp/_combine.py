@@ -29,6 +29,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from ._boxing import blocks_first, collective_axes, gathered_to_dim
+
 COMBINE_BUCKET_BYTES = 32 << 20
 """Most input bytes per device in one combined collective (DDP's buckets are 25 MiB)."""
 
@@ -148,12 +150,8 @@ class Groups:
         return y
 
     def _run(self, members: list) -> list:
-        bx0 = members[0][0]
-        mv = bx0.moves[0]
-        plc = self.placement
-        names = tuple(plc.axis_names[a] for a in mv.axes)
-        axis = names if len(names) > 1 else names[0]
-        n = math.prod(plc.hierarchy[a] for a in mv.axes)
+        mv = members[0][0].moves[0]
+        axis, n = collective_axes(self.placement, mv.axes)
         if mv.collective == "reduce-scatter":
             return _reduce_scatter_many([(x, bx.dst.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
         return _all_gather_many([(x, bx.src.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
@@ -163,10 +161,8 @@ def _reduce_scatter_many(items: list[tuple[Any, int]], axis, n: int) -> list:
     """``psum_scatter(x, axis, scatter_dimension=d, tiled=True)`` for every (x, d), as one."""
     rows, blocks = [], []
     for x, d in items:
-        s = x.shape
-        # cut dim d into (n, block) and bring n first: row i is what device i keeps
-        y = jnp.moveaxis(x.reshape(s[:d] + (n, s[d] // n) + s[d + 1:]), d, 0)
-        blocks.append(y.shape[1:])  # = s with s[d] // n at d
+        y = blocks_first(x, d, n)  # row i: what device i keeps
+        blocks.append(y.shape[1:])
         rows.append(y.reshape(n, -1))
     red = lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0, tiled=True)
     outs, start = [], 0
@@ -183,8 +179,6 @@ def _all_gather_many(items: list[tuple[Any, int]], axis, n: int) -> list:
     got = lax.all_gather(flat, axis, axis=0, tiled=True)  # (n, total): row i from device i
     outs, start = [], 0
     for x, d in items:
-        g = got[:, start:start + x.size].reshape((n,) + x.shape)
-        g = jnp.moveaxis(g, 0, d)  # (..., n, x.shape[d], ...)
-        outs.append(g.reshape(x.shape[:d] + (n * x.shape[d],) + x.shape[d + 1:]))
+        outs.append(gathered_to_dim(got[:, start:start + x.size].reshape((n,) + x.shape), x.shape, d))
         start += x.size
     return outs

@@ -26,9 +26,9 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from . import _combine, _sbp
+from . import _sbp
 from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, plan_cost, run_plan
-from ._combine import Groups, combine_collectives
+from ._combine import Groups, combine_collectives, is_deferred, passes_on
 from ._errors import SbpError
 from ._layout import Layout, layout_of
 from .rules import _registry
@@ -90,6 +90,18 @@ def _itemsize(aval) -> int:
         return 4
 
 
+def _boxing(i, src: Layout, dst: Layout, aval) -> Boxing | None:
+    """The planned conversion of operand ``i`` from ``src`` to ``dst`` (None if they agree)."""
+    if src.nd_sbp == dst.nd_sbp:
+        return None
+    return Boxing(i, src, dst, plan(src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, _itemsize(aval)))
+
+
+def _moves_cost(moves) -> float:
+    """Bytes per device plus a fixed latency per collective (what really moves)."""
+    return sum(m.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if m.collective else 0.0) for m in moves)
+
+
 def _one_partial_kind(nd) -> bool:
     """An nd-sbp may not mix partial kinds (partial_sum on one axis, partial_max on another)."""
     return len({x.reduce for x in nd if x.is_partial}) <= 1
@@ -137,10 +149,7 @@ class _Inference:
         return self.lay((B,) * self.placement.ndim, aval)
 
     def box(self, i, src: Layout, dst: Layout, aval) -> Boxing | None:
-        if src.nd_sbp == dst.nd_sbp:
-            return None
-        moves = plan(src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, _itemsize(aval))
-        return Boxing(i, src, dst, moves)
+        return _boxing(i, src, dst, aval)
 
     # ---------------------------------------------------------------------------------------
     def program(self, jaxpr, consts, in_layouts, out_nd=None, *, inline_of=None) -> Program:
@@ -606,7 +615,7 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
             ins[bx.operand] = groups.defer(bx, ins[bx.operand])
             boxings = ()
         if groups is not None:
-            if not boxings and any(_combine.is_deferred(x) for x in ins) and _combine.passes_on(st):
+            if not boxings and any(is_deferred(x) for x in ins) and passes_on(st):
                 # a pass-through op on a deferred value: replayed when the group has run
                 y = ins[0]
                 outs = [y if st.kind == "annotate" else y.then(lambda x, st=st: _emit_prim(st, [x])[0])]
@@ -752,14 +761,10 @@ def _reduce_before_transposes(prog: Program) -> None:
         perm = st.eqn.params["permutation"]
         nd = tuple(_sbp.split(perm[x_.dim]) if x_.is_split else x_ for x_ in bx.dst.nd_sbp)
         new_in = layout_of(lin.placement, nd, lin.shape)
-        moves = plan(lin.nd_sbp, nd, lin.shape, lin.placement.hierarchy, _itemsize(x.aval))
-
-        def cost(ms):
-            return sum(m.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if m.collective else 0.0) for m in ms)
-
-        if cost(moves) > cost(bx.moves):
+        moved = _boxing(0, lin, new_in, x.aval)
+        if _moves_cost(moved.moves) > _moves_cost(bx.moves):
             continue
-        st.boxings = [Boxing(0, lin, new_in, moves)]
+        st.boxings = [moved]
         st.in_layouts, st.out_layouts = [new_in], [bx.dst]
         consumer.boxings = [b for b in consumer.boxings if b is not bx]
 
@@ -785,10 +790,7 @@ def program_cost(prog: Program) -> float:
         boxings += st.boxings
         for sub in subprograms(st):
             boxings += sub.out_boxings
-    return sum(
-        m.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if m.collective else 0.0)
-        for bx in boxings if not bx.reused for m in bx.moves
-    )
+    return sum(_moves_cost(bx.moves) for bx in boxings if not bx.reused)
 
 
 _COMPUTE_HEAVY = frozenset({"dot_general", "conv_general_dilated"})

@@ -93,18 +93,9 @@ class _Entry:
     out_dtypes: list
     fn: Any  # jitted shard_map over physical arrays
     flat_fn: Any  # logical flat function (for the backward program)
+    out_struct: Any = None  # out_tree with global tensors as nodes: physical outputs -> global tensors
     _bwd: Any = None
     _diff: Any = None
-    _out_struct: Any = None
-
-    @property
-    def out_struct(self):
-        """The output pytree with its global tensors as nodes (their layouts in the structure):
-        unflattening the program's physical outputs with it gives the global tensors."""
-        if self._out_struct is None:
-            outs = [GlobalTensor(0, lay) for lay in self.out_layouts]
-            self._out_struct = jax.tree_util.tree_structure(jax.tree_util.tree_unflatten(self.out_tree, outs))
-        return self._out_struct
 
 
 def _is_global(x):
@@ -237,8 +228,8 @@ class JitFunction:
                 f"jsbp.jit({getattr(self.fn, '__name__', 'fn')}) needs at least one GlobalTensor argument "
                 "to know the placement; make one with jsbp.tensor(...)."
             )
-        phys, lays, dtypes = [], [], []
-        for x in leaves:
+        phys, lays, dtypes, plain = [], [], [], []
+        for i, x in enumerate(leaves):
             if _is_global(x):
                 phys.append(x._value)
                 lays.append(x._layout)
@@ -249,12 +240,13 @@ class JitFunction:
                 phys.append(_put_plain(arr, lay))
                 lays.append(lay)
                 dtypes.append(np.dtype(arr.dtype))
+                plain.append((i, lay))
         key = (treedef, tuple(lays), tuple(dtypes), static)
         try:
             hash(key)
         except TypeError:
             raise SbpError(f"jsbp.jit: static arguments must be hashable, got {static!r}.") from None
-        return key, placement, treedef, static, lays, dtypes, phys
+        return key, placement, treedef, static, lays, dtypes, phys, plain
 
     def _entry(self, key, placement, treedef, static, lays, dtypes) -> _Entry:
         entry = self._cache.get(key)
@@ -264,8 +256,10 @@ class JitFunction:
             out_nd = _out_nd_list(self.out_sbp, len(out_avals), placement, [a.shape for a in out_avals])
             prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd)
             fn = _build_shard_map(placement, lays, prog.out_layouts, prog)
+            out_struct = jax.tree_util.tree_structure(
+                jax.tree_util.tree_unflatten(out_tree, [GlobalTensor(0, lay) for lay in prog.out_layouts]))
             entry = _Entry(placement, lays, dtypes, prog, out_tree, prog.out_layouts,
-                           [a.dtype for a in out_avals], fn, flat_fn)
+                           [a.dtype for a in out_avals], fn, flat_fn, out_struct)
             self._cache[key] = entry
         return entry
 
@@ -283,11 +277,10 @@ class JitFunction:
             for i, lay in plain:
                 leaves[i] = _put_plain(leaves[i], lay)
             return entry, leaves
-        key, placement, treedef, static, lays, dtypes, phys = self._prepare(args)
+        key, placement, treedef, static, lays, dtypes, phys, plain = self._prepare(args)
         entry = self._entry(key, placement, treedef, static, lays, dtypes)
         if fast_key is not None:
-            is_global = [_is_global(x) for x in jax.tree_util.tree_leaves(dyn, is_leaf=_is_global)]
-            self._fast[fast_key] = (entry, [(i, lays[i]) for i, g in enumerate(is_global) if not g])
+            self._fast[fast_key] = (entry, plain)
         return entry, phys
 
     def lower_program(self, *args) -> _Entry:
