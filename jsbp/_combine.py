@@ -63,6 +63,8 @@ def combine_collectives(prog) -> None:
             v = st.eqn.invars[bx.operand]
             if not isinstance(v, jcore.Literal):
                 boxed_to[(v, bx.dst.nd_sbp)] += 1
+                if bx.via:  # reads the earlier conversion to ``src``: that one must run in place
+                    boxed_to[(v, bx.src.nd_sbp)] += 1
         if st.sub is not None:  # a nested program may box the same value (and reuse the boxing)
             for v in st.eqn.invars:
                 if not isinstance(v, jcore.Literal):

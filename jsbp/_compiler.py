@@ -6,8 +6,11 @@ candidate that needs no boxing, otherwise the cheapest boxing (bytes per device 
 cost per collective, ``_boxing.plan_cost``). That greedy choice cannot see past one equation, so
 a backward walk then collects the layouts each value's consumers want (seeded by ``out_sbp`` and
 annotations) and another forward pass charges each candidate the boxing of its outputs to those
-layouts as well; the cheapest whole program is kept. A second seed keeps the program inputs in
-their given layouts where it can (see ``infer``). Call-like primitives (``jit``, ``custom_jvp_call``,
+layouts as well; the cheapest whole program is kept. Conversions are shared: a value boxed once
+is reused by later consumers, a later layout that is a local slice of an earlier conversion (B ->
+S) is cut from it, and the lookahead charges nothing for a layout another consumer will convert
+to anyway (``backward_demand``). A second seed keeps the program inputs in their given layouts
+where it can (see ``infer``). Call-like primitives (``jit``, ``custom_jvp_call``,
 ``custom_vjp_call``, ``remat``) are inlined; ``scan`` / ``while`` carries get a fixed-point layout;
 ``cond`` branches are boxed to a common output layout.
 
@@ -49,6 +52,7 @@ class Boxing:
     dst: Layout
     moves: tuple[Move, ...]
     reused: bool = False  # the same value was already boxed to ``dst`` earlier: no new communication
+    via: bool = False  # converts an earlier conversion of the value (to ``src``), not the value itself
     group: int | None = None  # runs inside combined collective ``group`` (``_combine``)
 
     @property
@@ -124,7 +128,7 @@ class _Inference:
         # the anchored seed of ``infer``): consumers box around them
         self.anchored = anchored
         self.cands_cache = {} if cands_cache is None else cands_cache
-        self.boxed: set = set()  # (var, nd-sbp) pairs already boxed in the current program
+        self.boxed: dict = {}  # var -> the nd-sbps it was already boxed to in the current program
         self.converted: set = set()  # every value an equation's signature converted, any scope
         self.alias: dict = {}  # inlined call: sub-jaxpr invar -> the caller's atom
         # lookahead: value -> the nd-sbps its consumers asked for in an earlier pass; a candidate
@@ -151,6 +155,27 @@ class _Inference:
     def box(self, i, src: Layout, dst: Layout, aval) -> Boxing | None:
         return _boxing(i, src, dst, aval)
 
+    def box_value(self, i, cur: Layout, dst: Layout, v) -> Boxing | None:
+        """The boxing of operand ``i`` (atom ``v``, produced as ``cur``) to ``dst``, recorded for
+        reuse: a value already converted to ``dst`` in this program reuses that conversion, and
+        one converted to another layout starts from there where that is cheaper (an all-gathered
+        copy is sliced locally rather than converted again from the split)."""
+        best = self.box(i, cur, dst, v.aval)
+        if best is None or isinstance(v, jcore.Literal):
+            return best
+        held = self.boxed.setdefault(self.key(v), {})
+        if dst.nd_sbp in held:
+            best.reused = True
+            return best
+        cost = _moves_cost(best.moves)
+        for nd in held:
+            bx = self.box(i, self.lay(nd, v.aval), dst, v.aval)
+            if (c := _moves_cost(bx.moves)) < cost:
+                bx.via = True
+                best, cost = bx, c
+        held[dst.nd_sbp] = None
+        return best
+
     # ---------------------------------------------------------------------------------------
     def program(self, jaxpr, consts, in_layouts, out_nd=None, *, inline_of=None) -> Program:
         """Infer a (sub-)program. ``inline_of``: the caller's operands when the jaxpr is an inlined
@@ -160,7 +185,7 @@ class _Inference:
                 if not isinstance(outer, jcore.Literal):
                     self.alias[sub_v] = outer
             return self._program(jaxpr, consts, in_layouts, out_nd)
-        saved, self.boxed = self.boxed, set()
+        saved, self.boxed = self.boxed, {}
         self.depth += 1
         try:
             return self._program(jaxpr, consts, in_layouts, out_nd)
@@ -237,22 +262,24 @@ class _Inference:
             )
         return rule, legal
 
-    def choose(self, eqn, cur, cands, demand, reuse=True):
+    def choose(self, eqn, cur, cands, demand, reuse=True, shared=None, avail=None):
         """The best candidate: no boxing at all first, then the lowest cost of boxing the inputs
         plus (lookahead) boxing the outputs to the layouts in ``demand``; ties prefer fewer
         collectives, fewer partial outputs, and not splitting an axis no input splits."""
         best = None
         hier = self.placement.hierarchy
+        if shared is None:
+            shared = self.demand
         # fast path: a signature that needs no boxing (inputs as they are, outputs as wanted) wins
         # outright; only the tie-breakers rank those
         cur_nd = tuple(l.nd_sbp for l in cur)
         as_is = [(ins, outs) for ins, outs in cands if ins == cur_nd]
-        if self.anchored:
-            keep = [
-                (ins, outs) for ins, outs in cands
-                if all(nd == lay.nd_sbp for nd, lay, v in zip(ins, cur, eqn.invars)
-                       if not isinstance(v, jcore.Literal) and self.key(v) in self.anchored)
-            ]
+        pinned = [
+            (i, cur_nd[i]) for i, v in enumerate(eqn.invars)
+            if self.anchored and not isinstance(v, jcore.Literal) and self.key(v) in self.anchored
+        ]
+        if pinned:
+            keep = [(ins, outs) for ins, outs in cands if all(ins[i] == nd for i, nd in pinned)]
             cands = keep or cands
         if as_is and eqn.primitive.name in _COMPUTE_HEAVY:
             # bytes are not the whole cost here: gathering the operands of a matmul to save a
@@ -280,10 +307,16 @@ class _Inference:
                 lay, v = cur[i], eqn.invars[i]
                 if lay.nd_sbp == nd:
                     hit = (0.0, 0, True)
-                elif reuse and not isinstance(v, jcore.Literal) and (self.key(v), nd) in self.boxed:
+                elif reuse and not isinstance(v, jcore.Literal) and nd in self.boxed.get(self.key(v), ()):
                     hit = (0.0, 0, False)  # reuse the earlier conversion
+                elif not isinstance(v, jcore.Literal) and _asked_by_another(shared, self.key(v), nd, eqn):
+                    hit = (0.0, 0, False)  # another consumer asked for it: the conversion is shared
+                elif avail is not None and not isinstance(v, jcore.Literal) and avail(self.key(v), nd):
+                    hit = (0.0, 0, False)  # its producer can make it from layouts at hand
                 else:
-                    c, n = plan_cost(lay.nd_sbp, nd, lay.shape, hier, _itemsize(v.aval))
+                    srcs = self.boxed.get(self.key(v), ()) if reuse and not isinstance(v, jcore.Literal) else ()
+                    c, n = min(plan_cost(src, nd, lay.shape, hier, _itemsize(v.aval))
+                               for src in (lay.nd_sbp, *srcs))
                     hit = (c, n, False)
                 in_memo[k] = hit
             return hit
@@ -304,6 +337,17 @@ class _Inference:
             return hit
 
         naxes = self.placement.ndim
+
+        def tie_break(ins, outs):
+            n_partial_out = sum(x.is_partial for nd in outs for x in nd)
+            # splits created out of nothing (an axis where no input is split) only move work to the
+            # consumers, which slice B for free anyway: prefer keeping B
+            n_new_split = sum(
+                1 for a in range(naxes)
+                if any(nd[a].is_split for nd in outs) and not any(nd[a].is_split for nd in ins)
+            )
+            return n_partial_out, n_new_split
+
         for ins, outs in cands:
             cost, out_cost, nmoves, exact = 0.0, 0.0, 0, True
             for i, nd in enumerate(ins):
@@ -316,18 +360,17 @@ class _Inference:
                 out_cost += c
                 nmoves += n
                 exact = exact and ex
-            n_partial_out = sum(x.is_partial for nd in outs for x in nd)
-            # splits created out of nothing (an axis where no input is split) only move work to the
-            # consumers, which slice B for free anyway: prefer keeping B
-            n_new_split = sum(
-                1 for a in range(naxes)
-                if any(nd[a].is_split for nd in outs) and not any(nd[a].is_split for nd in ins)
-            )
             # at equal cost, convert inputs rather than outputs: the demand moves upstream, where
             # one conversion may serve several consumers (and a backward walk can carry it further)
-            key = (not exact, cost + out_cost, out_cost, nmoves, n_partial_out, n_new_split)
+            key = (not exact, cost + out_cost, out_cost, nmoves)
             if best is None or key < best[0]:
-                best = (key, ins, outs)
+                best = [key, ins, outs, None]
+            elif key == best[0]:  # the tie-breakers, only for ties
+                if best[3] is None:
+                    best[3] = tie_break(best[1], best[2])
+                tb = tie_break(ins, outs)
+                if tb < best[3]:
+                    best = [key, ins, outs, tb]
         return best[1], best[2]
 
     def prim_step(self, eqn, cur: list[Layout]) -> Step:
@@ -339,14 +382,11 @@ class _Inference:
         in_lays = [self.lay(nd, v.aval) for nd, v in zip(ins, eqn.invars)]
         boxings = []
         for i, (c, w, v) in enumerate(zip(cur, in_lays, eqn.invars)):
-            bx = self.box(i, c, w, v.aval)
+            bx = self.box_value(i, c, w, v)
             if bx is None:
                 continue
             if not isinstance(v, jcore.Literal):
-                key = (self.key(v), w.nd_sbp)
-                bx.reused = key in self.boxed
-                self.boxed.add(key)
-                self.converted.add(key[0])
+                self.converted.add(self.key(v))
             boxings.append(bx)
         out_lays = [self.lay(nd, v.aval) for nd, v in zip(outs, eqn.outvars)]
         return Step(eqn, in_lays, out_lays, boxings, rule=rule)
@@ -359,34 +399,89 @@ class _Inference:
     def backward_demand(self, out_vars, out_nd) -> dict:
         """Walk the recorded top-scope decisions backwards: each equation, knowing what its
         outputs' consumers want, picks the signature it would choose with that lookahead and asks
-        its inputs for the layouts of that signature. The requested output layouts seed it."""
-        want: dict = {}
+        its inputs for the layouts of that signature. The requested output layouts seed it.
 
-        def ask(v, nd):
+        An operand layout costs nothing when it can be had without boxing for this equation
+        alone: another consumer asks for the same conversion, or the operand's producer has a
+        signature giving that layout from operands that can be had so (``PRODUCER_DEPTH``
+        producers back). Consumers later in the program ask first; those earlier are seen by a
+        second sweep (``WALK_SWEEPS``), which reads the first sweep's asks."""
+        made: dict = {}  # value -> (producing equation, its operands' layouts, its candidates)
+        for entry in self.trace:
+            if entry[0] == "prim" and len(entry[1].outvars) == 1:
+                made[self.key(entry[1].outvars[0])] = entry[1:]
+        by_out: dict = {}  # id(candidates) -> output nd-sbp -> the operand layouts giving it
+        want: dict = {}
+        for _ in range(WALK_SWEEPS):
+            want = self._sweep(out_vars, out_nd, made, by_out, want)
+        return want
+
+    def _sweep(self, out_vars, out_nd, made, by_out, prior) -> dict:
+        """One backward sweep of ``backward_demand``; ``prior``: the previous sweep's asks."""
+        want: dict = {}
+        memo: dict = {}
+
+        def ask(v, nd, who):
             if not isinstance(v, (jcore.Literal, jcore.DropVar)):
-                want.setdefault(self.key(v), set()).add(tuple(nd))
+                want.setdefault(self.key(v), {}).setdefault(tuple(nd), set()).add(who)
+
+        def giving(cands, nd):
+            index = by_out.get(id(cands))
+            if index is None:
+                index = by_out[id(cands)] = {}
+                for ins, (out,) in cands:
+                    index.setdefault(out, []).append(ins)
+            return index.get(nd, ())
+
+        def avail(v, nd, depth, by) -> bool:
+            """Whether ``v`` can be had in ``nd`` without boxing it for ``by`` alone."""
+            if want.get(v, {}).get(nd) or _asked_by_another(prior, v, nd, by):
+                return True
+            if depth == 0 or v not in made:
+                return False
+            k = (v, nd)
+            hit = memo.get(k)
+            if hit is None:
+                memo[k] = False  # a cycle is not free
+                eqn, cur, cands = made[v]
+                hit = memo[k] = any(
+                    all(
+                        isinstance(u, jcore.Literal) or w == lay.nd_sbp
+                        or avail(self.key(u), w, depth - 1, eqn)
+                        for u, w, lay in zip(eqn.invars, ins, cur)
+                    )
+                    for ins in giving(cands, nd)
+                )
+            return hit
 
         for v, nd in zip(out_vars, out_nd or ()):
             if nd is not None:
-                ask(v, nd)
+                ask(v, nd, None)
         for entry in reversed(self.trace):
             if entry[0] == "want":
                 for v, nd in zip(entry[1], entry[2]):
-                    ask(v, nd)
+                    ask(v, nd, id(entry))
                 continue
             _, eqn, cur, cands = entry
             demand = self.demand_of(eqn, want)
             ins = _carry_through(eqn, cands, demand)
             if ins is None:
-                ins, _ = self.choose(eqn, cur, cands, demand, reuse=False)
+                ins, _ = self.choose(eqn, cur, cands, demand, reuse=False, shared=want,
+                                     avail=lambda v, nd, eqn=eqn: avail(v, nd, PRODUCER_DEPTH, eqn))
             for v, nd in zip(eqn.invars, ins):
-                ask(v, nd)
+                ask(v, nd, eqn)
         return want
 
 
 # -------------------------------------------------------------------------------------------
 # higher-order primitives
 # -------------------------------------------------------------------------------------------
+
+
+def _asked_by_another(want, v, nd, eqn) -> bool:
+    """Whether a consumer of ``v`` other than ``eqn`` asked for it in layout ``nd``."""
+    askers = want.get(v, {}).get(nd)
+    return bool(askers) and (len(askers) > 1 or eqn not in askers)
 
 
 def _carry_through(eqn, cands, demand):
@@ -549,8 +644,8 @@ def _infer_annotate(inf: _Inference, eqn, cur):
     if nd is None:
         return Step(eqn, list(cur), list(cur), [], kind="annotate")
     want = inf.lay(nd, eqn.invars[0].aval)
-    boxings = [bx] if (bx := inf.box(0, cur[0], want, eqn.invars[0].aval)) is not None else []
-    return Step(eqn, [want], [want], boxings, kind="annotate")
+    bx = inf.box_value(0, cur[0], want, eqn.invars[0])  # later consumers may reuse or slice it
+    return Step(eqn, [want], [want], [bx] if bx is not None else [], kind="annotate")
 
 
 _HIGHER_ORDER = {
@@ -577,6 +672,8 @@ def _apply_boxings(vals, boxings, invars=None, cache=None):
             if key in cache:
                 vals[bx.operand] = cache[key]
                 continue
+        if bx.via:  # start from the earlier conversion of the value to ``src``
+            vals[bx.operand] = cache[(invars[bx.operand], bx.src.nd_sbp)]
         vals[bx.operand], _ = run_plan(vals[bx.operand], bx.moves, bx.src)
         if key is not None:
             cache[key] = vals[bx.operand]
@@ -795,6 +892,12 @@ def program_cost(prog: Program) -> float:
 
 _COMPUTE_HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 """Primitives that keep a signature needing no input boxing whatever the lookahead says."""
+
+PRODUCER_DEPTH = 3
+"""How many producers back the backward walk looks for a layout it can have without boxing."""
+
+WALK_SWEEPS = 2
+"""Sweeps of each backward walk (the second sees what consumers earlier in the program asked)."""
 
 LOOKAHEAD_ROUNDS = 2
 """Refinement passes after the greedy one (each: a backward demand walk, then a forward pass)."""

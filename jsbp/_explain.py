@@ -24,6 +24,7 @@ class BoxingRow:
     shape: tuple[int, ...]
     reused: bool = False
     combined: int | None = None  # part of combined collective number ``combined`` (counted once)
+    via: bool = False  # starts from the value's earlier conversion to ``src``, not from the value
 
     def __str__(self):
         kinds = "+".join(self.collectives) if self.collectives else "local"
@@ -31,6 +32,8 @@ class BoxingRow:
             kinds = "reused"
         if self.combined is not None:
             kinds += f", combined #{self.combined}"
+        if self.via:
+            kinds += f", from the {self.src} copy"
         return f"#{self.operand} {self.src}->{self.dst} [{kinds}] {_fmt_bytes(self.bytes_per_device)}"
 
 
@@ -64,6 +67,7 @@ def _boxing_row(bx) -> BoxingRow:
         tuple(bx.src.shape),
         bx.reused,
         bx.group,
+        bx.via,
     )
 
 

@@ -414,7 +414,7 @@ def test_eager_operators_and_methods():
     np.testing.assert_allclose(x[:, 2].numpy(), xv[:, 2])
     np.testing.assert_allclose(x.sum(0).numpy(), xv.sum(0), rtol=1e-5, atol=1e-6)
     assert x.sum(0).sbp == (sbp.partial_sum,)
-    np.testing.assert_allclose(x.mean().numpy(), xv.mean(), rtol=1e-5)
+    np.testing.assert_allclose(x.mean().numpy(), xv.mean(), rtol=1e-5, atol=1e-7)  # a sum near 0
     np.testing.assert_allclose(x.max(1).numpy(), xv.max(1))
     np.testing.assert_allclose(x.reshape(4, 12).numpy(), xv.reshape(4, 12))
     np.testing.assert_allclose(x.transpose(1, 0).numpy(), xv.T)
@@ -515,6 +515,48 @@ def test_weight_gradient_is_reduced_before_its_transpose(shape):
     assert plan.collectives() == counts
     reduced_at = [r.primitive for r in plan.rows for b in r.boxings if b.collectives]
     assert reduced_at == ["transpose"], str(plan)
+
+
+@pytest.mark.parametrize("m", [8, 7], ids=["even", "uneven"])
+def test_a_value_gathered_once_is_sliced_not_converted_again(m):
+    """``x`` (S(0)) is all-gathered by an annotation; a later matmul wants it S(1) (its weight is
+    row-split). That layout is a local slice of the gathered copy: no all-to-all from the split."""
+    xv, wv = rand(m, 16), rand(16, 64)
+
+    def f(x, w):
+        xb = jsbp.to_global(x, sbp="B")
+        return xb * 2.0, x @ w
+
+    x, w = gt(xv, P4, "S(0)"), gt(wv, P4, "S(0)")
+    fn = jsbp.jit(f)
+    xb, y = fn(x, w)
+    np.testing.assert_allclose(xb.numpy(), 2.0 * xv, rtol=1e-6)
+    np.testing.assert_allclose(y.numpy(), xv @ wv, rtol=1e-5, atol=1e-5)
+    counts = jsbp.debug.count_collectives(fn, x, w)
+    assert counts == {**dict.fromkeys(counts, 0), "all-gather": 1}
+    plan = jsbp.explain(fn, x, w)
+    assert plan.collectives() == counts
+    dot = next(r for r in plan.rows if r.primitive == "dot_general")
+    assert [(b.collectives, b.via, b.src) for b in dot.boxings] == [((), True, "(B)")], str(plan)
+
+
+def test_a_conversion_two_consumers_need_is_chosen_by_the_first():
+    """``x`` (S(1)) feeds an elementwise op and then a matmul that needs it replicated. Alone, the
+    elementwise op would run on the split; knowing the matmul gathers ``x`` anyway, inference runs
+    both on one gathered copy (one all-gather, nothing else)."""
+    xv, wv = rand(8, 32), rand(32, 32)
+
+    def f(x, w):
+        a = jnp.exp(x).sum(axis=1, keepdims=True)  # would stay split on its own: P -> all-reduce
+        return (x @ w) * a
+
+    x, w = gt(xv, P4, "S(1)"), gt(wv, P4, "S(1)")
+    fn = jsbp.jit(f, out_sbp="S(1)")
+    out = fn(x, w)
+    np.testing.assert_allclose(out.numpy(), np.asarray(f(xv, wv)), rtol=1e-5, atol=1e-4)
+    counts = jsbp.debug.count_collectives(fn, x, w)
+    assert counts == {**dict.fromkeys(counts, 0), "all-gather": 1}, str(jsbp.explain(fn, x, w))
+    assert jsbp.explain(fn, x, w).collectives() == counts
 
 
 _COMBINE_CASES = [  # (shape, split dim, dtype): two dtypes -> two combined collectives
