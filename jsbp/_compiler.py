@@ -262,14 +262,17 @@ class _Inference:
             )
         return rule, legal
 
-    def choose(self, eqn, cur, cands, demand, reuse=True, shared=None, avail=None):
+    def choose(self, eqn, cur, cands, demand, reuse=True, avail=None):
         """The best candidate: no boxing at all first, then the lowest cost of boxing the inputs
         plus (lookahead) boxing the outputs to the layouts in ``demand``; ties prefer fewer
-        collectives, fewer partial outputs, and not splitting an axis no input splits."""
+        collectives, fewer partial outputs, and not splitting an axis no input splits. An operand
+        layout for which ``avail(value, nd)`` holds costs nothing (by default: another consumer
+        asked for that conversion in the last backward walk, so it is made anyway)."""
         best = None
         hier = self.placement.hierarchy
-        if shared is None:
-            shared = self.demand
+        if avail is None:
+            def avail(v, nd):
+                return _asked_by_another(self.demand, v, nd, eqn)
         # fast path: a signature that needs no boxing (inputs as they are, outputs as wanted) wins
         # outright; only the tie-breakers rank those
         cur_nd = tuple(l.nd_sbp for l in cur)
@@ -309,10 +312,8 @@ class _Inference:
                     hit = (0.0, 0, True)
                 elif reuse and not isinstance(v, jcore.Literal) and nd in self.boxed.get(self.key(v), ()):
                     hit = (0.0, 0, False)  # reuse the earlier conversion
-                elif not isinstance(v, jcore.Literal) and _asked_by_another(shared, self.key(v), nd, eqn):
-                    hit = (0.0, 0, False)  # another consumer asked for it: the conversion is shared
-                elif avail is not None and not isinstance(v, jcore.Literal) and avail(self.key(v), nd):
-                    hit = (0.0, 0, False)  # its producer can make it from layouts at hand
+                elif not isinstance(v, jcore.Literal) and avail(self.key(v), nd):
+                    hit = (0.0, 0, False)  # made anyway: another consumer needs this conversion
                 else:
                     srcs = self.boxed.get(self.key(v), ()) if reuse and not isinstance(v, jcore.Literal) else ()
                     c, n = min(plan_cost(src, nd, lay.shape, hier, _itemsize(v.aval))
@@ -466,7 +467,7 @@ class _Inference:
             demand = self.demand_of(eqn, want)
             ins = _carry_through(eqn, cands, demand)
             if ins is None:
-                ins, _ = self.choose(eqn, cur, cands, demand, reuse=False, shared=want,
+                ins, _ = self.choose(eqn, cur, cands, demand, reuse=False,
                                      avail=lambda v, nd, eqn=eqn: avail(v, nd, PRODUCER_DEPTH, eqn))
             for v, nd in zip(eqn.invars, ins):
                 ask(v, nd, eqn)
