@@ -155,6 +155,10 @@ class _Inference:
     def box(self, i, src: Layout, dst: Layout, aval) -> Boxing | None:
         return _boxing(i, src, dst, aval)
 
+    def held(self, v) -> dict:
+        """The nd-sbps atom ``v`` was already converted to in the current program (ordered)."""
+        return {} if isinstance(v, jcore.Literal) else self.boxed.get(self.key(v), {})
+
     def box_value(self, i, cur: Layout, dst: Layout, v) -> Boxing | None:
         """The boxing of operand ``i`` (atom ``v``, produced as ``cur``) to ``dst``, recorded for
         reuse: a value already converted to ``dst`` in this program reuses that conversion, and
@@ -310,14 +314,14 @@ class _Inference:
                 lay, v = cur[i], eqn.invars[i]
                 if lay.nd_sbp == nd:
                     hit = (0.0, 0, True)
-                elif reuse and not isinstance(v, jcore.Literal) and nd in self.boxed.get(self.key(v), ()):
+                elif reuse and nd in self.held(v):
                     hit = (0.0, 0, False)  # reuse the earlier conversion
                 elif not isinstance(v, jcore.Literal) and avail(self.key(v), nd):
                     hit = (0.0, 0, False)  # made anyway: another consumer needs this conversion
                 else:
-                    srcs = self.boxed.get(self.key(v), ()) if reuse and not isinstance(v, jcore.Literal) else ()
+                    # from the value as produced or, as ``box_value`` may, an earlier conversion
                     c, n = min(plan_cost(src, nd, lay.shape, hier, _itemsize(v.aval))
-                               for src in (lay.nd_sbp, *srcs))
+                               for src in (lay.nd_sbp, *(self.held(v) if reuse else ())))
                     hit = (c, n, False)
                 in_memo[k] = hit
             return hit
@@ -412,19 +416,6 @@ class _Inference:
             if entry[0] == "prim" and len(entry[1].outvars) == 1:
                 made[self.key(entry[1].outvars[0])] = entry[1:]
         by_out: dict = {}  # id(candidates) -> output nd-sbp -> the operand layouts giving it
-        want: dict = {}
-        for _ in range(WALK_SWEEPS):
-            want = self._sweep(out_vars, out_nd, made, by_out, want)
-        return want
-
-    def _sweep(self, out_vars, out_nd, made, by_out, prior) -> dict:
-        """One backward sweep of ``backward_demand``; ``prior``: the previous sweep's asks."""
-        want: dict = {}
-        memo: dict = {}
-
-        def ask(v, nd, who):
-            if not isinstance(v, (jcore.Literal, jcore.DropVar)):
-                want.setdefault(self.key(v), {}).setdefault(tuple(nd), set()).add(who)
 
         def giving(cands, nd):
             index = by_out.get(id(cands))
@@ -433,6 +424,20 @@ class _Inference:
                 for ins, (out,) in cands:
                     index.setdefault(out, []).append(ins)
             return index.get(nd, ())
+
+        want: dict = {}
+        for _ in range(WALK_SWEEPS):
+            want = self._sweep(out_vars, out_nd, made, giving, want)
+        return want
+
+    def _sweep(self, out_vars, out_nd, made, giving, prior) -> dict:
+        """One backward sweep of ``backward_demand``; ``prior``: the previous sweep's asks."""
+        want: dict = {}
+        memo: dict = {}
+
+        def ask(v, nd, who):
+            if not isinstance(v, (jcore.Literal, jcore.DropVar)):
+                want.setdefault(self.key(v), {}).setdefault(tuple(nd), set()).add(who)
 
         def avail(v, nd, depth, by) -> bool:
             """Whether ``v`` can be had in ``nd`` without boxing it for ``by`` alone."""
