@@ -20,7 +20,9 @@ equations (``_boxing.run_plan``), then each primitive on local, padded shards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 from typing import Any
 
@@ -122,24 +124,23 @@ def _norm_sig(sig):
 
 class _Inference:
     def __init__(self, placement, demand: dict | None = None, cands_cache: dict | None = None,
-                 anchored: frozenset = frozenset()):
+                 anchored: frozenset = frozenset(), budget: float = float("inf")):
         self.placement = placement
         # values that keep their layout wherever some signature allows it (the program inputs, in
         # the anchored seed of ``infer``): consumers box around them
         self.anchored = anchored
         self.cands_cache = {} if cands_cache is None else cands_cache
         self.boxed: dict = {}  # var -> the nd-sbps it was already boxed to in the current program
-        self.converted: set = set()  # every value an equation's signature converted, any scope
+        # a pass stops (``_OverBudget``) once its top-scope boxings cost this much
+        self.budget, self.spent = budget, 0.0
         self.alias: dict = {}  # inlined call: sub-jaxpr invar -> the caller's atom
         # lookahead: value -> the nd-sbps its consumers asked for in an earlier pass; a candidate
         # is charged the boxing of its outputs to them (see ``infer``)
         self.demand = demand or {}
         self.depth = 0  # nesting of separately scoped programs (loop / branch bodies)
+        # anchored pass: whether some equation would convert an anchored input without the anchors
+        self.diverged = False
         self.trace: list = []  # top-scope decisions, in program order, for ``_backward_demand``
-
-    def boxed_inputs(self, inputs) -> bool:
-        """Whether this pass converted any of ``inputs`` (program input variables)."""
-        return not self.converted.isdisjoint(inputs)
 
     def key(self, v):
         while v in self.alias:
@@ -272,8 +273,6 @@ class _Inference:
         collectives, fewer partial outputs, and not splitting an axis no input splits. An operand
         layout for which ``avail(value, nd)`` holds costs nothing (by default: another consumer
         asked for that conversion in the last backward walk, so it is made anyway)."""
-        best = None
-        hier = self.placement.hierarchy
         if avail is None:
             def avail(v, nd):
                 return _asked_by_another(self.demand, v, nd, eqn)
@@ -281,13 +280,6 @@ class _Inference:
         # outright; only the tie-breakers rank those
         cur_nd = tuple(l.nd_sbp for l in cur)
         as_is = [(ins, outs) for ins, outs in cands if ins == cur_nd]
-        pinned = [
-            (i, cur_nd[i]) for i, v in enumerate(eqn.invars)
-            if self.anchored and not isinstance(v, jcore.Literal) and self.key(v) in self.anchored
-        ]
-        if pinned:
-            keep = [(ins, outs) for ins, outs in cands if all(ins[i] == nd for i, nd in pinned)]
-            cands = keep or cands
         if as_is and eqn.primitive.name in _COMPUTE_HEAVY:
             # bytes are not the whole cost here: gathering the operands of a matmul to save a
             # reduction of its result would repeat the whole product on every device
@@ -303,43 +295,67 @@ class _Inference:
             cands = free
         if len(cands) == 1:
             return cands[0]
-        # many candidates share an operand's layout: cost each (operand, layout) once
-        in_memo: dict = {}
-        out_memo: dict = {}
+        # (the candidates above keep every operand as it is, anchored ones included)
+        pinned = [
+            (i, cur_nd[i]) for i, v in enumerate(eqn.invars)
+            if self.anchored and not isinstance(v, jcore.Literal) and self.key(v) in self.anchored
+        ]
+        if not pinned:
+            return self._cheapest(eqn, cur, cands, demand, reuse, avail)
+        keep = [(ins, outs) for ins, outs in cands if all(ins[i] == nd for i, nd in pinned)]
+        if keep and not self.diverged:
+            # would a pass without anchors convert an input here? (``_search``: if no equation
+            # would, that pass is this one and need not run)
+            best = self._cheapest(eqn, cur, cands, demand, reuse, avail)
+            if all(best[0][i] == nd for i, nd in pinned):
+                return best
+            self.diverged = True
+        return self._cheapest(eqn, cur, keep or cands, demand, reuse, avail)
+
+    def _cheapest(self, eqn, cur, cands, demand, reuse, avail):
+        """``choose``'s ranking of ``cands`` (see there)."""
+        hier = self.placement.hierarchy
+        # per operand: layout, value, bytes per element, earlier conversions; per output: the
+        # layouts wanted of it. Each (operand, layout) pair is costed once, however many
+        # candidates share it (``in_tabs`` / ``out_tabs``)
+        ops = []
+        for lay, v in zip(cur, eqn.invars):
+            lit = isinstance(v, jcore.Literal)
+            ops.append((lay.nd_sbp, lay.shape, _itemsize(v.aval), None if lit else self.key(v),
+                        self.held(v) if reuse else {}))
+        wanted = [
+            () if isinstance(v, jcore.DropVar) else (demand.get(v, ()), tuple(v.aval.shape), _itemsize(v.aval))
+            for v in eqn.outvars
+        ]
 
         def in_cost(i, nd):
-            k = (i, nd)
-            hit = in_memo.get(k)
-            if hit is None:
-                lay, v = cur[i], eqn.invars[i]
-                if lay.nd_sbp == nd:
-                    hit = (0.0, 0, True)
-                elif reuse and nd in self.held(v):
-                    hit = (0.0, 0, False)  # reuse the earlier conversion
-                elif not isinstance(v, jcore.Literal) and avail(self.key(v), nd):
-                    hit = (0.0, 0, False)  # made anyway: another consumer needs this conversion
-                else:
-                    # from the value as produced or, as ``box_value`` may, an earlier conversion
-                    c, n = min(plan_cost(src, nd, lay.shape, hier, _itemsize(v.aval))
-                               for src in (lay.nd_sbp, *(self.held(v) if reuse else ())))
-                    hit = (c, n, False)
-                in_memo[k] = hit
-            return hit
+            src, shape, size, k, held = ops[i]
+            if src == nd:
+                return 0.0, 0, True
+            if nd in held:
+                return 0.0, 0, False  # reuse the earlier conversion
+            if k is not None and avail(k, nd):
+                return 0.0, 0, False  # made anyway: another consumer needs this conversion
+            # from the value as produced or, as ``box_value`` may, an earlier conversion
+            cn = plan_cost(src, nd, shape, hier, size)
+            for h in held:
+                hcn = plan_cost(h, nd, shape, hier, size)
+                if hcn < cn:
+                    cn = hcn
+            return cn[0], cn[1], False
 
-        def out_cost_of(j, nd):
-            k = (j, nd)
-            hit = out_memo.get(k)
-            if hit is None:
-                v = eqn.outvars[j]
-                c_tot, n_tot, ex = 0.0, 0, True
-                for want in demand.get(v, ()) if not isinstance(v, jcore.DropVar) else ():
-                    if want != nd:
-                        ex = False
-                        c, n = plan_cost(nd, want, tuple(v.aval.shape), hier, _itemsize(v.aval), "dst")
-                        c_tot += c
-                        n_tot += n
-                hit = out_memo[k] = (c_tot, n_tot, ex)
-            return hit
+        def out_cost(j, nd):
+            if not wanted[j]:
+                return 0.0, 0, True
+            wants, shape, size = wanted[j]
+            c_tot, n_tot, ex = 0.0, 0, True
+            for want in wants:
+                if want != nd:
+                    ex = False
+                    c, n = plan_cost(nd, want, shape, hier, size, "dst")
+                    c_tot += c
+                    n_tot += n
+            return c_tot, n_tot, ex
 
         naxes = self.placement.ndim
 
@@ -353,21 +369,30 @@ class _Inference:
             )
             return n_partial_out, n_new_split
 
+        in_tabs = [{} for _ in ops]
+        out_tabs = [{} for _ in wanted]
+        best = None
         for ins, outs in cands:
-            cost, out_cost, nmoves, exact = 0.0, 0.0, 0, True
+            cost, o_cost, nmoves, exact = 0.0, 0.0, 0, True
             for i, nd in enumerate(ins):
-                c, n, ex = in_cost(i, nd)
+                hit = in_tabs[i].get(nd)
+                if hit is None:
+                    hit = in_tabs[i][nd] = in_cost(i, nd)
+                c, n, ex = hit
                 cost += c
                 nmoves += n
                 exact = exact and ex
             for j, nd in enumerate(outs):
-                c, n, ex = out_cost_of(j, nd)
-                out_cost += c
+                hit = out_tabs[j].get(nd)
+                if hit is None:
+                    hit = out_tabs[j][nd] = out_cost(j, nd)
+                c, n, ex = hit
+                o_cost += c
                 nmoves += n
                 exact = exact and ex
             # at equal cost, convert inputs rather than outputs: the demand moves upstream, where
             # one conversion may serve several consumers (and a backward walk can carry it further)
-            key = (not exact, cost + out_cost, out_cost, nmoves)
+            key = (not exact, cost + o_cost, o_cost, nmoves)
             if best is None or key < best[0]:
                 best = [key, ins, outs, None]
             elif key == best[0]:  # the tie-breakers, only for ties
@@ -390,8 +415,10 @@ class _Inference:
             bx = self.box_value(i, c, w, v)
             if bx is None:
                 continue
-            if not isinstance(v, jcore.Literal):
-                self.converted.add(self.key(v))
+            if self.depth == 1 and not bx.reused:
+                self.spent += _moves_cost(bx.moves)
+                if self.spent >= self.budget:
+                    raise _OverBudget
             boxings.append(bx)
         out_lays = [self.lay(nd, v.aval) for nd, v in zip(outs, eqn.outvars)]
         return Step(eqn, in_lays, out_lays, boxings, rule=rule)
@@ -913,13 +940,30 @@ SEED_SLACK = 1.25
 seed's best (a refinement pass rarely gains more; skipping it saves first-call time)."""
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause Python's cyclic garbage collector. Inference allocates a great many small tuples that
+    live until it ends; every automatic collection they trigger would walk the whole heap (JAX's
+    traced programs included): about a quarter of a cold 2-d inference. Reference counting still
+    frees what dies, and what is left is collected once the collector runs again."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     """The SBP program of ``jaxpr``: the cheapest plan found by ``_search``, with reductions moved
     ahead of transposes where that costs nothing (``_reduce_before_transposes``) and small
     reduce-scatters / all-gathers batched into combined collectives (``_combine``)."""
-    prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd)
-    _reduce_before_transposes(prog)
-    combine_collectives(prog)
+    with _gc_paused():
+        prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd)
+        _reduce_before_transposes(prog)
+        combine_collectives(prog)
     return prog
 
 
@@ -939,36 +983,54 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     Megatron; the anchored seed follows the annotations as GSPMD's propagation does. The anchored
     seed only runs when the free one converted an input (else it would choose the same), and the
     free seed is only refined when its greedy program is within ``SEED_SLACK`` of the anchored
-    result."""
-    cache: dict = {}
+    result.
+
+    The anchored seed runs first. It notes whether, without the anchors, some equation would
+    have converted an input (``_Inference.diverged``); if none would, it *is* the free seed and is
+    refined as such. Otherwise the free seed runs with the anchored result's cost times
+    ``SEED_SLACK`` as its budget and stops as soon as it spends that (a free seed this far off is
+    never refined)."""
+    args = (jaxpr, consts, in_layouts, out_nd)
     inputs = frozenset(jaxpr.invars)
-
-    def refine(inf, prog, anchored):
-        cost = program_cost(prog)
-        for _ in range(LOOKAHEAD_ROUNDS):
-            if cost == 0.0:
-                break
-            demand = inf.backward_demand(jaxpr.outvars, out_nd)
-            inf = _Inference(placement, demand, cache, anchored)
-            new = inf.program(jaxpr, consts, in_layouts, out_nd)
-            new_cost = program_cost(new)
-            if new_cost >= cost:
-                break
-            prog, cost = new, new_cost
-        return prog, cost
-
-    free = _Inference(placement, None, cache)
-    free_prog = free.program(jaxpr, consts, in_layouts, out_nd)
-    if not free.boxed_inputs(inputs):
-        # no input was converted: the anchored seed would choose exactly the same
-        return refine(free, free_prog, frozenset())[0]
-    anch = _Inference(placement, None, cache, inputs)
-    best, best_cost = refine(anch, anch.program(jaxpr, consts, in_layouts, out_nd), inputs)
+    anch = _Inference(placement, None, {}, inputs)
+    anch_prog = anch.program(*args)
+    if not anch.diverged:
+        # no equation would convert an input without the anchors: this is the free seed
+        anch.anchored = frozenset()
+        return _refine(anch, anch_prog, args)[0]
+    best, best_cost = _refine(anch, anch_prog, args)
+    free = _Inference(placement, None, anch.cands_cache, budget=best_cost * SEED_SLACK)
+    try:
+        free_prog = free.program(*args)
+    except _OverBudget:
+        return best
     if program_cost(free_prog) < best_cost * SEED_SLACK:
-        prog, cost = refine(free, free_prog, frozenset())
+        prog, cost = _refine(free, free_prog, args)
         if cost < best_cost:
             best = prog
     return best
+
+
+def _refine(inf, prog, args) -> tuple[Program, float]:
+    """Up to ``LOOKAHEAD_ROUNDS`` lookahead passes after ``inf``'s pass (which made ``prog``);
+    the cheapest program and its cost. ``args``: ``infer``'s (jaxpr, consts, in_layouts, out_nd)."""
+    jaxpr, _, _, out_nd = args
+    cost = program_cost(prog)
+    for _ in range(LOOKAHEAD_ROUNDS):
+        if cost == 0.0:
+            break
+        demand = inf.backward_demand(jaxpr.outvars, out_nd)
+        inf = _Inference(inf.placement, demand, inf.cands_cache, inf.anchored)
+        new = inf.program(*args)
+        new_cost = program_cost(new)
+        if new_cost >= cost:
+            break
+        prog, cost = new, new_cost
+    return prog, cost
+
+
+class _OverBudget(Exception):
+    """A free-seed pass has spent its budget (``_search``)."""
 
 
 

@@ -1,6 +1,8 @@
 """The SBP compiler: jsbp.jit parity with one device, plans that match the compiled program,
 control flow, autodiff and errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -648,3 +650,136 @@ def test_megatron_weights_stay_put_without_hints():
                if any(s.is_split for s in nd)}
     assert weights and not _converted_inputs(entry.program, weights)
     assert_plan_matches_program(step, gp, gtok)
+
+
+def _two_seed_search(placement, jaxpr, consts, in_layouts, out_nd):
+    """The search as first written: the free seed runs in full first; the anchored seed only if it
+    converted a program input; the free seed is refined if within ``SEED_SLACK`` of the anchored
+    result (``_search`` must find the same plan while skipping work)."""
+    from jsbp import _compiler as C
+
+    args = (jaxpr, consts, in_layouts, out_nd)
+    inputs = frozenset(jaxpr.invars)
+    converted = set()
+    box_value = C._Inference.box_value
+
+    def recording(self, i, cur, dst, v):  # every input an equation's signature converts
+        bx = box_value(self, i, cur, dst, v)
+        if bx is not None and self.key(v) in inputs:
+            converted.add(self.key(v))
+        return bx
+
+    free = C._Inference(placement, None, {})
+    C._Inference.box_value = recording
+    try:
+        free_prog = free.program(*args)
+    finally:
+        C._Inference.box_value = box_value
+    if not converted:
+        return C._refine(free, free_prog, args)[0]
+    anch = C._Inference(placement, None, free.cands_cache, inputs)
+    best, best_cost = C._refine(anch, anch.program(*args), args)
+    if C.program_cost(free_prog) < best_cost * C.SEED_SLACK:
+        prog, cost = C._refine(free, free_prog, args)
+        if cost < best_cost:
+            best = prog
+    return best
+
+
+def _signatures(prog):
+    from jsbp._compiler import iter_steps
+
+    return [(st.eqn.primitive.name, [l.nd_sbp for l in st.in_layouts], [l.nd_sbp for l in st.out_layouts])
+            for _, st in iter_steps(prog)]
+
+
+def _transformer_step_case(strategy):
+    optax = pytest.importorskip("optax")
+    nnx, model = _transformer()
+    graphdef, state = nnx.split(model, nnx.Param)
+    params = jax.tree_util.tree_map(np.asarray, state.to_pure_dict())
+    tok = RNG.integers(0, 16, size=(8, 9)).astype(np.int32)
+    tx = optax.adamw(1e-2)
+
+    def step(p, o, tok):
+        def loss(p):
+            st = nnx.State(state)
+            nnx.replace_by_pure_dict(st, p)
+            logits = nnx.merge(graphdef, st)(tok[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tok[:, 1:]).mean()
+
+        l, g = jax.value_and_grad(loss)(p)
+        upd, o = tx.update(g, o, p)
+        return l, optax.apply_updates(p, upd), o
+
+    paths = {kp: jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    plc, dlay, lay = {
+        "dp": (P4, "S(0)", lambda path, v: "B"),
+        "tp": (P4, "B", lambda path, v: _tp_layout(path, v.ndim)),
+        "zero3": (P4, "S(0)", lambda path, v: "S(0)" if v.shape[0] % 4 == 0 else "B"),
+        "hybrid": (R24, ("S(0)", "B"), lambda path, v: ("B", _tp_layout(path, v.ndim))),
+    }[strategy]
+    gp = jax.tree_util.tree_map_with_path(lambda kp, v: gt(v, plc, lay(paths[kp], v)), params)
+    go = jax.tree_util.tree_map(lambda v: gt(np.asarray(v), plc, ("B",) * plc.ndim), tx.init(params))
+    return step, (gp, go, gt(tok, plc, dlay))
+
+
+_SEARCH_CASES = {
+    # the free seed converts no input: the anchored pass is the free one
+    "matmul_dp": lambda: (lambda x, w: jnp.tanh(x @ w).sum(0), (gt(rand(32, 8), P4, "S(0)"), gt(rand(8, 8), P4, "B"))),
+    # gathering the small split weight beats keeping it: the free seed is refined and wins
+    "matmul_zero": lambda: (lambda x, w: jnp.tanh(x) @ w, (gt(rand(64, 8), P4, "S(0)"), gt(rand(8, 8), P4, "S(1)"))),
+    # transformer train steps: the free seed drifts and is stopped over its budget
+    **{s: functools.partial(_transformer_step_case, s) for s in ("dp", "tp", "zero3", "hybrid")},
+}
+
+
+@pytest.mark.parametrize("case", list(_SEARCH_CASES))
+def test_search_skips_work_but_finds_the_two_seed_plan(case, monkeypatch):
+    """``_search`` runs the anchored seed first, skips the free seed when no equation would convert
+    an input, and stops a free seed that spends more than it may: the plan is the one the plain
+    two-seed search finds, equation by equation."""
+    from jsbp import _compiler as C
+    from jsbp import _jit
+
+    fn, args = _SEARCH_CASES[case]()
+    seen = []
+    monkeypatch.setattr(_jit, "infer", lambda *a: seen.append(a) or C.infer(*a))
+    jsbp.jit(fn).lower_program(*args)
+    (placement, jaxpr, consts, lays, out_nd), = seen
+    jaxpr = C._dce(jaxpr)
+    want = _two_seed_search(placement, jaxpr, consts, lays, out_nd)
+    got = C._search(placement, jaxpr, consts, lays, out_nd)
+    assert C.program_cost(got) == C.program_cost(want)
+    assert _signatures(got) == _signatures(want)
+
+
+def test_inference_pauses_the_garbage_collector_and_restores_it():
+    """``infer`` runs with the cyclic collector paused (it allocates many small tuples) and leaves
+    it as it found it, on success, on error, and when it was already off."""
+    import gc
+
+    from jsbp import _compiler as C
+
+    states = []
+    real = C._search
+
+    def spy(*a):
+        states.append(gc.isenabled())
+        return real(*a)
+
+    x = gt(rand(8, 4), P4, "S(0)")
+    assert gc.isenabled()
+    try:
+        C._search = spy
+        jsbp.jit(lambda x: jnp.tanh(x).sum(0))(x)
+        assert states == [False] and gc.isenabled()
+        with pytest.raises(jsbp.SbpError):  # a primitive with no rule, while inferring
+            jsbp.jit(lambda x: jnp.fft.fft(x))(x)
+        assert gc.isenabled()
+        gc.disable()
+        jsbp.jit(lambda x: jnp.tanh(x).max(0))(x)
+        assert states[-1] is False and not gc.isenabled()
+    finally:
+        gc.enable()
+        C._search = real
