@@ -438,10 +438,15 @@ class _Inference:
         signature giving that layout from operands that can be had so (``PRODUCER_DEPTH``
         producers back). Consumers later in the program ask first; those earlier are seen by a
         second sweep (``WALK_SWEEPS``), which reads the first sweep's asks."""
-        made: dict = {}  # value -> (producing equation, its operands' layouts, its candidates)
+        # value -> (producing equation, its operands as (value or None for a literal, layout),
+        # its candidates)
+        made: dict = {}
         for entry in self.trace:
             if entry[0] == "prim" and len(entry[1].outvars) == 1:
-                made[self.key(entry[1].outvars[0])] = entry[1:]
+                _, eqn, cur, cands = entry
+                operands = tuple((None if isinstance(u, jcore.Literal) else self.key(u), lay.nd_sbp)
+                                 for u, lay in zip(eqn.invars, cur))
+                made[self.key(eqn.outvars[0])] = (eqn, operands, cands)
         by_out: dict = {}  # id(candidates) -> output nd-sbp -> the operand layouts giving it
 
         def giving(cands, nd):
@@ -468,23 +473,29 @@ class _Inference:
 
         def avail(v, nd, depth, by) -> bool:
             """Whether ``v`` can be had in ``nd`` without boxing it for ``by`` alone."""
-            if want.get(v, {}).get(nd) or _asked_by_another(prior, v, nd, by):
+            asks = want.get(v)
+            if asks is not None and asks.get(nd):
                 return True
-            if depth == 0 or v not in made:
+            asks = prior.get(v)
+            if asks is not None and (who := asks.get(nd)) and (len(who) > 1 or by not in who):
+                return True  # another consumer asked for it in the previous sweep
+            if depth == 0 or (m := made.get(v)) is None:
                 return False
             k = (v, nd)
             hit = memo.get(k)
             if hit is None:
                 memo[k] = False  # a cycle is not free
-                eqn, cur, cands = made[v]
-                hit = memo[k] = any(
-                    all(
-                        isinstance(u, jcore.Literal) or w == lay.nd_sbp
-                        or avail(self.key(u), w, depth - 1, eqn)
-                        for u, w, lay in zip(eqn.invars, ins, cur)
-                    )
-                    for ins in giving(cands, nd)
-                )
+                producer, operands, cands = m
+                for ins in giving(cands, nd):
+                    for (u, at), w in zip(operands, ins):
+                        if u is not None and w != at and not avail(u, w, depth - 1, producer):
+                            break
+                    else:
+                        hit = True
+                        break
+                else:
+                    hit = False
+                memo[k] = hit
             return hit
 
         for v, nd in zip(out_vars, out_nd or ()):

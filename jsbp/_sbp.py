@@ -59,6 +59,10 @@ class Split(Sbp):
             raise SbpError(f"sbp.split(dim) needs an integer dim, got the bool {self.dim!r}.")
         object.__setattr__(self, "dim", d)
 
+    # nd-sbp tuples key the compiler's tables: a plain hash, not the dataclass's hash of a tuple
+    def __hash__(self):
+        return self.dim ^ 0x5B17
+
     def __repr__(self):
         return f"sbp.split(dim={self.dim})"
 
@@ -71,6 +75,9 @@ class Broadcast(Sbp):
     """``B``: every device of the axis holds the whole value."""
 
     is_broadcast = True
+
+    def __hash__(self):
+        return 0xB
 
     def __repr__(self):
         return "sbp.broadcast"
@@ -95,6 +102,9 @@ class Partial(Sbp):
     def __post_init__(self):
         if self.reduce not in _PARTIAL_KINDS:
             raise SbpError(f"partial reduce must be one of {sorted(_PARTIAL_KINDS)}, got {self.reduce!r}.")
+
+    def __hash__(self):
+        return hash(self.reduce)
 
     def __repr__(self):
         return "sbp.partial_sum" if self.reduce == "sum" else f"sbp.partial_{self.reduce}"
