@@ -991,16 +991,13 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     wherever a signature allows, and boxes the activations around them. One equation at a time,
     gathering a small weight often looks cheaper than gathering an activation, and the free seed
     drifts into a ZeRO-3-like plan (a collective per weight, both ways) where the user wrote
-    Megatron; the anchored seed follows the annotations as GSPMD's propagation does. The anchored
-    seed only runs when the free one converted an input (else it would choose the same), and the
-    free seed is only refined when its greedy program is within ``SEED_SLACK`` of the anchored
-    result.
+    Megatron; the anchored seed follows the annotations as GSPMD's propagation does.
 
-    The anchored seed runs first. It notes whether, without the anchors, some equation would
-    have converted an input (``_Inference.diverged``); if none would, it *is* the free seed and is
-    refined as such. Otherwise the free seed runs with the anchored result's cost times
-    ``SEED_SLACK`` as its budget and stops as soon as it spends that (a free seed this far off is
-    never refined)."""
+    The anchored seed runs first and notes whether, without the anchors, some equation would have
+    converted an input (``_Inference.diverged``). If none would, it *is* the free seed, and is
+    refined as such. Otherwise its refined cost times ``SEED_SLACK`` is the free seed's budget:
+    the free seed stops as soon as its boxings cost that much (a refinement pass rarely gains
+    more), and is refined only if it stays within it."""
     args = (jaxpr, consts, in_layouts, out_nd)
     inputs = frozenset(jaxpr.invars)
     anch = _Inference(placement, None, {}, inputs)
