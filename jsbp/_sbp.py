@@ -31,7 +31,11 @@ __all__ = [
 
 
 class Sbp:
-    """Base class of the SBP values. Instances are frozen, hashable and picklable."""
+    """Base class of the SBP values. Instances are frozen, hashable and picklable.
+
+    Each value exists once (``split(0) is split(0)``): constructors, ``copy`` and ``pickle`` hand
+    back the one instance, so equality and hashing are by identity, at C speed. nd-sbp tuples key
+    the compiler's tables, which look them up millions of times per program."""
 
     __slots__ = ()
 
@@ -40,28 +44,44 @@ class Sbp:
     is_partial = False
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+def _split_dim(dim) -> int:
+    try:
+        d = operator.index(dim)
+    except TypeError:
+        raise SbpError(
+            f"sbp.split(dim) needs an integer dim, got {dim!r} ({type(dim).__name__}); "
+            "write e.g. sbp.split(0) or sbp.split(-1)."
+        ) from None
+    if isinstance(dim, bool):
+        raise SbpError(f"sbp.split(dim) needs an integer dim, got the bool {dim!r}.")
+    return d
+
+
+_INSTANCES: dict = {}  # (class, field value) -> the one instance
+
+
+def _interned(cls, value, field):
+    inst = _INSTANCES.get((cls, value))
+    if inst is None:
+        inst = object.__new__(cls)
+        if field is not None:
+            object.__setattr__(inst, field, value)
+        inst = _INSTANCES.setdefault((cls, value), inst)
+    return inst
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False, eq=False)
 class Split(Sbp):
     """``S(dim)``: the tensor is cut along ``dim`` (balanced: the first ``n % k`` pieces get one more)."""
 
     dim: int
     is_split = True
 
-    def __post_init__(self):
-        try:
-            d = operator.index(self.dim)
-        except TypeError:
-            raise SbpError(
-                f"sbp.split(dim) needs an integer dim, got {self.dim!r} ({type(self.dim).__name__}); "
-                "write e.g. sbp.split(0) or sbp.split(-1)."
-            ) from None
-        if isinstance(self.dim, bool):
-            raise SbpError(f"sbp.split(dim) needs an integer dim, got the bool {self.dim!r}.")
-        object.__setattr__(self, "dim", d)
+    def __new__(cls, dim):
+        return _interned(cls, _split_dim(dim), "dim")
 
-    # nd-sbp tuples key the compiler's tables: a plain hash, not the dataclass's hash of a tuple
-    def __hash__(self):
-        return self.dim ^ 0x5B17
+    def __reduce__(self):
+        return (Split, (self.dim,))
 
     def __repr__(self):
         return f"sbp.split(dim={self.dim})"
@@ -70,14 +90,14 @@ class Split(Sbp):
         return f"S({self.dim})"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False, eq=False)
 class Broadcast(Sbp):
     """``B``: every device of the axis holds the whole value."""
 
     is_broadcast = True
 
-    def __hash__(self):
-        return 0xB
+    def __new__(cls):
+        return _interned(cls, None, None)
 
     def __repr__(self):
         return "sbp.broadcast"
@@ -92,19 +112,17 @@ class Broadcast(Sbp):
 _PARTIAL_KINDS = {"sum": "P", "max": "Pmax", "min": "Pmin"}
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False, eq=False)
 class Partial(Sbp):
     """``P``: every device holds a full-shape piece; the value is their sum (or max / min)."""
 
     reduce: str = "sum"
     is_partial = True
 
-    def __post_init__(self):
-        if self.reduce not in _PARTIAL_KINDS:
-            raise SbpError(f"partial reduce must be one of {sorted(_PARTIAL_KINDS)}, got {self.reduce!r}.")
-
-    def __hash__(self):
-        return hash(self.reduce)
+    def __new__(cls, reduce="sum"):
+        if reduce not in _PARTIAL_KINDS:
+            raise SbpError(f"partial reduce must be one of {sorted(_PARTIAL_KINDS)}, got {reduce!r}.")
+        return _interned(cls, reduce, "reduce")
 
     def __repr__(self):
         return "sbp.partial_sum" if self.reduce == "sum" else f"sbp.partial_{self.reduce}"

@@ -90,6 +90,26 @@ def test_pickled_singletons_stay_singletons():
     assert pickle.loads(pickle.dumps(nd)) == nd
 
 
+def test_each_value_exists_once():
+    """Every way of making an SBP value hands back the one instance (equality and hashing are by
+    identity): constructors with any integer type, parsing, pickling, copying, ``replace``."""
+    import dataclasses
+
+    from jsbp._sbp import Broadcast, Partial, Split
+
+    s1 = sbp.split(1)
+    assert Split(np.int64(1)) is s1 and type(Split(np.int32(1)).dim) is int
+    assert sbp.parse("S(1)") is s1 and sbp.parse("S(-1)") is sbp.split(-1)
+    assert pickle.loads(pickle.dumps(s1)) is s1 and copy.deepcopy(s1) is s1 and copy.copy(s1) is s1
+    assert dataclasses.replace(s1, dim=2) is sbp.split(2)
+    assert Broadcast() is sbp.broadcast and Partial() is sbp.partial_sum and Partial("min") is sbp.partial_min
+    assert pickle.loads(pickle.dumps(sbp.partial_max)) is sbp.partial_max
+    with pytest.raises(jsbp.SbpError, match="integer dim"):
+        Split(1.0)
+    with pytest.raises(jsbp.SbpError, match="must be one of"):
+        Partial("mean")
+
+
 # -- parsing ---------------------------------------------------------------------------------------
 
 
