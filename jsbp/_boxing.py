@@ -362,6 +362,20 @@ def _contiguous_starts(table: np.ndarray, length: int) -> np.ndarray | None:
     return starts
 
 
+def _axis_strides(starts: np.ndarray, hierarchy) -> list[int] | None:
+    """Per-axis strides when each device's start is ``starts[0]`` plus the sum over placement axes
+    of its index on the axis times a stride (devices in row-major order); None otherwise."""
+    coords = np.indices(tuple(hierarchy)).reshape(len(hierarchy), -1)
+    strides = []
+    for a, n in enumerate(hierarchy):
+        unit = [0] * len(hierarchy)
+        unit[a] = 1 if n > 1 else 0
+        strides.append(int(starts[np.ravel_multi_index(unit, hierarchy)] - starts[0]))
+    if not np.array_equal(starts, starts[0] + np.asarray(strides) @ coords):
+        return None
+    return strides
+
+
 def _take(x, dim, table, mask, plc):
     """Per-device gather along ``dim`` with a (ndev, out_len) index table and optional 0/1 mask."""
     if table.shape[1] == 0 or x.shape[dim] == 0:
@@ -378,9 +392,12 @@ def _take(x, dim, table, mask, plc):
         if starts is not None:  # every device reads one run: a slice, not a gather (a copy, no index math)
             if uniform:
                 return lax.slice_in_dim(x, int(starts[0]), int(starts[0]) + table.shape[1], axis=dim)
-            step = int(starts[1] - starts[0]) if len(starts) > 1 else 0
-            if np.array_equal(starts, step * np.arange(len(starts))):  # even split: no table
-                start = _device_index(plc) * step
+            strides = _axis_strides(starts, plc.hierarchy)
+            if strides is not None:  # even splits: start = sum of axis index x stride, no table
+                start = int(starts[0])
+                for name, stride in zip(plc.axis_names, strides):
+                    if stride:
+                        start = start + lax.axis_index(name) * stride
             else:
                 start = jnp.asarray(starts, dtype=jnp.int32)[_device_index(plc)]
             return lax.dynamic_slice_in_dim(x, start, table.shape[1], axis=dim, allow_negative_indices=False)

@@ -543,3 +543,24 @@ def test_cross_placement_under_jit_is_a_clear_error():
     with pytest.raises(jsbp.SbpError, match=r"eager operation") as e:
         jax.jit(lambda t: t.to_global(placement=q))(x)
     assert "ranks=[[0, 1], [2, 3]]" in str(e.value) and "ranks=[[4, 5], [6, 7]]" in str(e.value)
+
+
+@pytest.mark.parametrize("dst", [("B", "S(0)"), ("S(0)", "B"), ("S(0)", "S(1)"), ("S(1)", "S(1)")])
+def test_slicing_a_replicated_value_needs_no_table_of_starts(dst):
+    """B -> S on a 2-d placement is a local slice whose start is computed from the axis indices
+    (a stride per axis), not read from a per-device table embedded in the program."""
+    from jsbp._boxing import _axis_strides
+
+    assert _axis_strides(np.array([0, 4, 8, 12] * 2), (2, 4)) == [0, 4]
+    assert _axis_strides(np.array([0] * 4 + [8] * 4), (2, 4)) == [8, 0]
+    assert _axis_strides(np.array([0, 1, 3, 4] * 2), (2, 4)) is None  # not affine: a table
+    plc = jsbp.placement("cpu", [[0, 1, 2, 3], [4, 5, 6, 7]], axis_names=("dp", "tp"))
+    value = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    x = jsbp.tensor(value, plc, ("B", "B"))
+    f = jsbp.jit(lambda x: jsbp.to_global(x, sbp=dst))
+    out = f(x)
+    assert out.sbp == tuple(jsbp.sbp.parse(s) for s in dst)
+    np.testing.assert_array_equal(out.numpy(), value)
+    text = f.lower(x).as_text()
+    assert "xi32>" not in "".join(ln for ln in text.splitlines() if "stablehlo.constant" in ln)
+    assert sum(count_collectives(f, x).values()) == 0
