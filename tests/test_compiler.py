@@ -227,7 +227,7 @@ def _tp_layout(path: str, ndim: int):
     return "B"
 
 
-@pytest.mark.parametrize("strategy", ["dp", "tp", "hybrid"])
+@pytest.mark.parametrize("strategy", ["dp", "tp", "hybrid", "hybrid_2x4"])
 def test_nnx_transformer_train_step_matches_single_device(strategy):
     optax = pytest.importorskip("optax")
     nnx, model = _transformer()
@@ -264,8 +264,8 @@ def test_nnx_transformer_train_step_matches_single_device(strategy):
         plc, lay, dlay = P4, lambda path, v: "B", "S(0)"
     elif strategy == "tp":
         plc, lay, dlay = P4, lambda path, v: _tp_layout(path, v.ndim), "B"
-    else:
-        plc, dlay = Q22, ("S(0)", "B")
+    else:  # batch on dp, Megatron on tp: a (2, 2) and a (2, 4) grid
+        plc, dlay = (Q22 if strategy == "hybrid" else R24), ("S(0)", "B")
         lay = lambda path, v: ("B", _tp_layout(path, v.ndim))
     gp = jax.tree_util.tree_map_with_path(lambda kp, v: gt(v, plc, lay(paths[kp], v)), params)
     gopt = jax.tree_util.tree_map(lambda v: gt(np.asarray(v), plc, ("B",) * plc.ndim), opt_state)
