@@ -122,9 +122,12 @@ def _norm_sig(sig):
     return tuple(ins), (outs,) if isinstance(outs, _sbp.Sbp) else tuple(outs)
 
 
+_NO_BUDGET = float("inf")
+
+
 class _Inference:
     def __init__(self, placement, demand: dict | None = None, cands_cache: dict | None = None,
-                 anchored: frozenset = frozenset(), budget: float = float("inf")):
+                 anchored: frozenset = frozenset(), budget: float = _NO_BUDGET):
         self.placement = placement
         # values that keep their layout wherever some signature allows it (the program inputs, in
         # the anchored seed of ``infer``): consumers box around them
@@ -138,8 +141,9 @@ class _Inference:
         # is charged the boxing of its outputs to them (see ``infer``)
         self.demand = demand or {}
         self.depth = 0  # nesting of separately scoped programs (loop / branch bodies)
-        # anchored pass: whether some equation would convert an anchored input without the anchors
-        self.diverged = False
+        # whether some equation would convert an anchored input without the anchors; only the
+        # anchored greedy pass watches for it (``_search`` sets False), others leave None
+        self.diverged: bool | None = None
         self.trace: list = []  # top-scope decisions, in program order, for ``_backward_demand``
 
     def key(self, v):
@@ -303,7 +307,7 @@ class _Inference:
         if not pinned:
             return self._cheapest(eqn, cur, cands, demand, reuse, avail)
         keep = [(ins, outs) for ins, outs in cands if all(ins[i] == nd for i, nd in pinned)]
-        if keep and not self.diverged:
+        if keep and self.diverged is False:
             # would a pass without anchors convert an input here? (``_search``: if no equation
             # would, that pass is this one and need not run)
             best = self._cheapest(eqn, cur, cands, demand, reuse, avail)
@@ -415,7 +419,7 @@ class _Inference:
             bx = self.box_value(i, c, w, v)
             if bx is None:
                 continue
-            if self.depth == 1 and not bx.reused:
+            if self.budget != _NO_BUDGET and self.depth == 1 and not bx.reused:
                 self.spent += _moves_cost(bx.moves)
                 if self.spent >= self.budget:
                     raise _OverBudget
@@ -474,11 +478,8 @@ class _Inference:
         def avail(v, nd, depth, by) -> bool:
             """Whether ``v`` can be had in ``nd`` without boxing it for ``by`` alone."""
             asks = want.get(v)
-            if asks is not None and asks.get(nd):
+            if asks is not None and asks.get(nd) or _asked_by_another(prior, v, nd, by):
                 return True
-            asks = prior.get(v)
-            if asks is not None and (who := asks.get(nd)) and (len(who) > 1 or by not in who):
-                return True  # another consumer asked for it in the previous sweep
             if depth == 0 or (m := made.get(v)) is None:
                 return False
             k = (v, nd)
@@ -1001,6 +1002,7 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     args = (jaxpr, consts, in_layouts, out_nd)
     inputs = frozenset(jaxpr.invars)
     anch = _Inference(placement, None, {}, inputs)
+    anch.diverged = False
     anch_prog = anch.program(*args)
     if not anch.diverged:
         # no equation would convert an input without the anchors: this is the free seed
