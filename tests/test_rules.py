@@ -386,6 +386,143 @@ case("threefry2x32", _threefry, u32(*UNEVEN), u32(*UNEVEN), u32(*UNEVEN), u32(*U
 case("threefry2x32", _threefry, u32(*EVEN), u32(*EVEN), u32(*EVEN), u32(*EVEN))
 case("rng_bit_generator", lambda k: lax.rng_bit_generator(k, UNEVEN), u32(4))
 case("rng_bit_generator", lambda k: lax.rng_bit_generator(k, EVEN), u32(4))
+
+# -- JAX 0.10 shape / elementwise primitives (jnp.stack, jnp.select, jnp.unstack, jnp.tile) ----------
+case("stack", lambda a, b: jnp.stack([a, b], 1), f32(*UNEVEN), f32(*UNEVEN))
+case("stack", lambda a, b, c: jnp.stack([a, b, c], 0), f32(*EVEN), f32(*EVEN), f32(*EVEN))
+case("stack", lambda a, b: jnp.stack([a, b], 2), f32(*TINY), f32(*TINY))
+case("unstack", lambda a: jnp.unstack(a, axis=1), f32(*UNEVEN))
+case("unstack", lambda a: jnp.unstack(a, axis=0), f32(*EVEN))
+case("unstack", lambda a: jnp.unstack(a, axis=1), f32(3, 2, 5))
+case("tile", lambda a: jnp.tile(a, (1, 3)), f32(*UNEVEN))
+case("tile", lambda a: jnp.tile(a, (2, 1)), f32(*EVEN))
+case("tile", lambda a: jnp.tile(a, (2, 1, 3)), f32(*TINY))
+case("complex", lax.complex, f32(*UNEVEN), f32(*UNEVEN))
+case("complex", lax.complex, f32(*EVEN), f32(*EVEN))
+for _name in ("eq_to", "le_to", "lt_to"):
+    _p = getattr(__import__("jax._src.lax.lax", fromlist=["x"]), _name + "_p")
+    case(_name, _p.bind, f32(*UNEVEN, dom="special"), f32(*UNEVEN, dom="coarse"))
+    case(_name, _p.bind, i32(*EVEN), i32(*EVEN))
+case("le_to", lambda a, v: jnp.searchsorted(a, v), f32(6), f32(*UNEVEN))
+case("platform_index", lambda x: lax.platform_dependent(x, cpu=jnp.sin, default=jnp.cos), f32(*UNEVEN))
+
+# -- fft ------------------------------------------------------------------------------------------
+case("fft", jnp.fft.fft, c64(*UNEVEN))
+case("fft", jnp.fft.ifft, c64(*EVEN))
+case("fft", jnp.fft.rfft, f32(*UNEVEN))
+case("fft", jnp.fft.irfft, c64(*TINY))
+case("fft", jnp.fft.fft2, c64(3, 4, 6))
+case("fft", lambda x: jnp.fft.rfftn(x, axes=(1, 2)), f32(7, 4, 6))
+
+# -- pooling (lax.reduce_window, flax.nnx.avg_pool / max_pool / min_pool) and its gradients --------
+_RW = lax.reduce_window
+_NINF = -float("inf")
+for _name, _init, _op in (("reduce_window_sum", 0.0, lax.add), ("reduce_window_max", _NINF, lax.max),
+                          ("reduce_window_min", float("inf"), lax.min)):
+    case(_name, lambda x, i=_init, o=_op: _RW(x, i, o, (2, 1), (2, 1), "VALID"), f32(*EVEN))  # aligned
+    case(_name, lambda x, i=_init, o=_op: _RW(x, i, o, (1, 3), (1, 1), "SAME"), f32(*UNEVEN, dom="neg"))
+    case(_name, lambda x, i=_init, o=_op: _RW(x, i, o, (3, 1), (2, 1), "SAME"), f32(*TINY))
+    case(_name, lambda x, i=_init, o=_op: _RW(x, i, o, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"), f32(2, 8, 4, 3))
+case("reduce_window_sum", lambda x: _RW(x, 0.0, lax.add, (1, 2), (1, 1), [(0, 0), (1, 1)], base_dilation=(1, 2)),
+     f32(*UNEVEN))
+case("reduce_window_sum", lambda x: _RW(x, 0.0, lax.add, (2, 1), (1, 1), "VALID", window_dilation=(2, 1)),
+     f32(*EVEN))
+case("reduce_window_max", lambda x: _RW(x, jnp.iinfo(jnp.int32).min, lax.max, (1, 2), (1, 2), "VALID"),
+     i32(*UNEVEN))
+case("reduce_window", lambda x: _RW(x, 1.0, lax.mul, (2, 1), (2, 1), "VALID"), f32(*EVEN))
+case("reduce_window", lambda x: _RW(x, 1.0, lax.mul, (1, 2), (1, 1), "SAME"), f32(*UNEVEN, dom="pos"))
+case("reduce_window", lambda x, y: _RW((x, y), (0.0, 0.0), lambda a, b: (a[0] + b[0], lax.max(a[1], b[1])),
+                                       (1, 3), (1, 1), "VALID"), f32(*UNEVEN), f32(*UNEVEN))
+
+
+def _maxpool(window, strides, padding):
+    return lambda y: _RW(y, _NINF, lax.max, window, strides, padding)
+
+
+case("select_and_scatter_add", lambda x, g: jax.vjp(_maxpool((2, 1), (2, 1), "VALID"), x)[1](g)[0],
+     f32(*EVEN), f32(4, 4))
+case("select_and_scatter_add", lambda x, g: jax.vjp(_maxpool((1, 3), (1, 1), "SAME"), x)[1](g)[0],
+     f32(*UNEVEN), f32(*UNEVEN))
+case("select_and_scatter_add", lambda x, g: jax.vjp(_maxpool((3, 2), (2, 2), "SAME"), x)[1](g)[0],
+     f32(*TINY), f32(2, 3))
+case("select_and_gather_add", lambda x, t: jax.jvp(_maxpool((2, 1), (2, 1), "VALID"), (x,), (t,))[1],
+     f32(*EVEN), f32(*EVEN))
+case("select_and_gather_add", lambda x, t: jax.jvp(_maxpool((1, 3), (1, 1), "SAME"), (x,), (t,))[1],
+     f32(*UNEVEN), f32(*UNEVEN))
+
+
+def _select_and_scatter(window, strides, padding):
+    from jax._src.lax.windowed_reductions import _select_and_scatter as sas
+
+    return lambda x, s: sas(x, lax.ge, window, strides, padding, s, jnp.float32(0), lax.add)
+
+
+case("select_and_scatter", _select_and_scatter((2, 1), (2, 1), ((0, 0), (0, 0))), f32(*EVEN), f32(4, 4))
+case("select_and_scatter", _select_and_scatter((1, 3), (1, 1), ((0, 0), (1, 1))), f32(*UNEVEN), f32(*UNEVEN))
+
+# -- grouped (depthwise) convolutions and their gradients (batch_group_count for the kernel's) ------
+
+
+def _conv(dn, groups):
+    return lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn,
+                                                 feature_group_count=groups)
+
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+for _x, _w, _dn, _g in (((3, 4, 5, 5), (8, 1, 3, 3), _NCHW, 4), ((2, 5, 3, 8), (3, 3, 1, 8), _NHWC, 8),
+                        ((5, 8, 3, 3), (8, 2, 3, 3), _NCHW, 4)):
+    _f = _conv(_dn, _g)
+    case("conv_general_dilated", _f, f32(*_x), f32(*_w))
+    _out = jax.eval_shape(_f, jax.ShapeDtypeStruct(_x, jnp.float32),
+                          jax.ShapeDtypeStruct(_w, jnp.float32)).shape
+    # the input gradient (a grouped conv) and the kernel gradient (batch_group_count = groups)
+    case("conv_general_dilated",
+         lambda w, g, f=_f, xs=_x: jax.linear_transpose(lambda y: f(y, w), jnp.zeros(xs))(g)[0],
+         f32(*_w), f32(*_out))
+    case("conv_general_dilated",
+         lambda x, g, f=_f, ws=_w: jax.linear_transpose(lambda v: f(x, v), jnp.zeros(ws))(g)[0],
+         f32(*_x), f32(*_out))
+
+# -- linear algebra (jax.lax.linalg, jnp.linalg) -------------------------------------------------
+_LA = lax.linalg
+case("cholesky", lambda x: _LA.cholesky(x, symmetrize_input=False), f32(7, 3, 3, dom="spd"))
+case("cholesky", lambda x: _LA.cholesky(x, symmetrize_input=False), f32(8, 3, 3, dom="spd"))
+case("cholesky", lambda x: _LA.cholesky(x, symmetrize_input=False), f32(4, 4, dom="spd"))
+case("eigh", lambda x: _LA.eigh(x, symmetrize_input=False), f32(7, 3, 3, dom="spd"))
+case("eigh", lambda x: _LA.eigh(x, symmetrize_input=False), f32(4, 4, dom="spd"))
+case("svd", _LA.svd, f32(7, 3, 4))
+case("svd", lambda x: _LA.svd(x, compute_uv=False), f32(3, 2, 4, 4))
+case("qr", _LA.qr, f32(7, 4, 3))
+case("qr", lambda x: _LA.qr(x, full_matrices=True), f32(8, 3, 3))
+case("lu", _LA.lu, f32(7, 3, 3))
+case("lu", _LA.lu, f32(4, 4))
+case("lu_pivots_to_permutation", lambda p: _LA.lu_pivots_to_permutation(p, 4), i32(7, 3, dom="idx:3"))
+case("lu_pivots_to_permutation", lambda p: _LA.lu_pivots_to_permutation(p, 3), i32(3, dom="idx:3"))
+case("eig", lambda x: _LA.eig(x, compute_left_eigenvectors=False), f32(7, 3, 3))
+case("eig", lambda x: _LA.eig(x, compute_left_eigenvectors=False, compute_right_eigenvectors=False),
+     f32(3, 3))
+case("hessenberg", _LA.hessenberg, f32(7, 3, 3))
+case("schur", _LA.schur, f32(3, 3, 3, dom="spd"))
+case("tridiagonal", _LA.tridiagonal, f32(7, 3, 3, dom="spd"))
+case("householder_product", _LA.householder_product, f32(7, 4, 3), f32(7, 3))
+case("ormqr", lambda a, t, c: _LA.ormqr(a, t, c, left=True, transpose=False), f32(7, 4, 3), f32(7, 3), f32(7, 4, 2))
+case("geqrf", lambda a: __import__("jax._src.lax.linalg", fromlist=["x"]).geqrf_p.bind(a), f32(7, 4, 3))
+case("geqp3", lambda a, p: __import__("jax._src.lax.linalg", fromlist=["x"]).geqp3(a, p), f32(7, 4, 3),
+     i32(7, 3, dom="idx:1"))
+case("symmetric_product", _LA.symmetric_product, f32(7, 3, 4), f32(7, 3, 3))
+case("cholesky_update", _LA.cholesky_update, f32(3, 3, dom="spd"), f32(3))
+for _left, _lower, _a, _b in ((True, True, (7, 3, 3), (7, 3, 5)), (False, False, (5, 5), (7, 5)),
+                              (True, False, (4, 4), (4, 8)), (False, True, (3, 2, 2), (3, 6, 2))):
+    case("triangular_solve", lambda a, b, l=_left, lo=_lower: _LA.triangular_solve(a, b, left_side=l, lower=lo),
+         f32(*_a, dom="wellcond"), f32(*_b))
+case("tridiagonal_solve", _LA.tridiagonal_solve, f32(7, 4, dom="unit"), f32(7, 4, dom="gt1"),
+     f32(7, 4, dom="unit"), f32(7, 4, 3))
+case("tridiagonal_solve", _LA.tridiagonal_solve, f32(5, dom="unit"), f32(5, dom="gt1"),
+     f32(5, dom="unit"), f32(5, 7))
+case("custom_linear_solve", jnp.linalg.solve, f32(4, 4, dom="wellcond"), f32(4, 3),
+     dom={2: "wellcond", 3: "idx:4", 4: "wellcond", 5: "idx:4"})
+case("custom_linear_solve", jnp.linalg.inv, f32(3, 3, dom="wellcond"),
+     dom={2: "wellcond", 3: "idx:3", 4: "wellcond", 5: "idx:3"})
 # fmt: on
 
 
@@ -569,6 +706,11 @@ def _draw(rng: np.random.Generator, aval, dom: str | None, const=None) -> np.nda
         if dom == "wide":
             return rng.integers(-100, 100, shape).astype(dt)
         return rng.integers(-7, 8, shape).astype(dt)
+    if dom in ("spd", "wellcond"):  # square matrices in the last two dims: a a^T + n I, a + n I
+        n = shape[-1]
+        a = rng.standard_normal(shape)
+        a = a @ np.swapaxes(a, -1, -2) if dom == "spd" else a
+        return (a + n * np.eye(n)).astype(dt)
     # floats
     if dom == "pos":
         x = rng.uniform(0.5, 2.0, shape)

@@ -2,11 +2,14 @@
 
 from . import control as control
 from . import elementwise as elementwise
+from . import fft as fft
 from . import indexing as indexing
 from . import linalg as linalg
+from . import misc as misc
 from . import random as random
 from . import reduce as reduce
 from . import shape as shape
+from . import window as window
 from ._registry import AxisSignature as AxisSignature
 from ._registry import Rule as Rule
 from ._registry import RuleContext as RuleContext

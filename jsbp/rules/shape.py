@@ -282,3 +282,39 @@ def _top_k(ctx):
         if d != axis:
             yield (Split(d),) + (B,) * (n_in - 1), (Split(d),) * len(ctx.out_avals)
     yield (B,) * n_in, (B,) * len(ctx.out_avals)
+
+
+# -- stack, unstack, tile (JAX 0.10: jnp.stack / jnp.select, jnp.unstack, jnp.tile) -----------
+# Pure data movement: every element of the result is one element of an operand, so every partial
+# kind is kept (``f(max a_i) = max f(a_i)`` for a permutation of elements, and likewise sums).
+@register_sbp_rule("stack")
+def _stack(ctx):
+    axis = ctx.params["axis"]
+    n = len(ctx.in_avals)
+    for d in range(len(ctx.in_shapes[0])):
+        yield (Split(d),) * n, (Split(d if d < axis else d + 1),)
+    yield (B,) * n, (B,)
+    for x in (P, PMAX, PMIN):
+        yield (x,) * n, (x,)
+
+
+@register_sbp_rule("unstack")
+def _unstack(ctx):
+    axis = ctx.params["axis"]
+    n = len(ctx.out_avals)
+    for d in range(len(ctx.in_shapes[0])):
+        if d != axis:
+            yield (Split(d),), (Split(d if d < axis else d - 1),) * n
+    yield (B,), (B,) * n
+    for x in (P, PMAX, PMIN):
+        yield (x,), (x,) * n
+
+
+@register_sbp_rule("tile")
+def _tile(ctx):
+    reps = ctx.params["reps"]
+    for d in range(len(ctx.in_shapes[0])):
+        if reps[d] == 1:  # a dim that is not repeated keeps its split
+            yield (Split(d),), (Split(d),)
+    yield (B,), (B,)
+    yield from _ALL_PARTIAL

@@ -1,0 +1,26 @@
+"""Elementwise primitives that JAX 0.10 added or that live outside ``lax``'s arithmetic:
+``complex`` (linear in its two real operands together), the total-order comparisons ``eq_to``,
+``le_to``, ``lt_to`` (from ``jnp.searchsorted`` and sorting) and ``platform_index`` (the selector
+of ``lax.platform_dependent``, which ``jnp.linalg.det`` uses: a scalar, ``B``)."""
+
+from __future__ import annotations
+
+from ._common import B, P
+from ._registry import register_sbp_rule
+from .elementwise import _elementwise
+
+
+@register_sbp_rule("complex")
+def _complex(ctx):
+    # complex(a, b) = a + i b: linear in (a, b) together
+    yield from _elementwise(ctx, [((P, P), P)])
+
+
+@register_sbp_rule("eq_to", "le_to", "lt_to")
+def _total_order_compare(ctx):
+    yield from _elementwise(ctx)
+
+
+@register_sbp_rule("platform_index")
+def _platform_index(ctx):
+    yield (), (B,)
