@@ -297,6 +297,9 @@ for _a, _b in (((8, 4), (32,)), ((8, 4), (2, 4, 4)), ((7, 5), (35,)), ((4, 6), (
                ((1, 8), (8,)), ((8,), (2, 4)), ((12,), (3, 4)), ((4, 6), (2, 12)), ((6, 4), (4, 6)),
                ((8, 4), (8, 2, 2)), ((2, 4, 4), (8, 4)), ((7, 5), (7, 5, 1)), ((8, 3), (4, 2, 3))):
     case("reshape", lambda x, s=_b: lax.reshape(x, s), f32(*_a))
+case("reshape", lambda x: lax.reshape(x, (3, 3, 8, 1), dimensions=(0, 1, 3, 2, 4)), f32(3, 3, 1, 8, 1))
+case("reshape", lambda x: lax.reshape(x, (4, 8), dimensions=(1, 0)), f32(8, 4))
+case("reshape", lambda x: lax.reshape(x, (8, 12), dimensions=(2, 0, 1)), f32(4, 3, 8))
 case("transpose", lambda x: lax.transpose(x, (1, 0)), f32(*UNEVEN))
 case("transpose", lambda x: lax.transpose(x, (1, 0)), f32(*EVEN))
 case("transpose", lambda x: lax.transpose(x, (2, 0, 1)), f32(3, 5, 4))

@@ -398,3 +398,159 @@ def test_random_values_do_not_depend_on_the_layout():
         out, _, coll = run(noisy, jsbp.tensor(xv, plc, nd))
         assert sum(coll.values()) == 0
         assert_close(out, ref)
+
+
+# -------------------------------------------------------------------------------------------
+# pooling, grouped convs, fft, linear algebra and the JAX 0.10 shape primitives
+# -------------------------------------------------------------------------------------------
+
+
+def _pool(kind, window, strides, padding="VALID"):
+    init, op = {"max": (-jnp.inf, jax.lax.max), "sum": (0.0, jax.lax.add)}[kind]
+    w, s = (1, *window, 1), (1, *strides, 1)
+    pad = padding if isinstance(padding, str) else ((0, 0), *padding, (0, 0))
+    return lambda x: jax.lax.reduce_window(x, init, op, w, s, pad)
+
+
+def _no_collectives(fn, xv, plc, nd, want, tol=1e-5):
+    out, _, coll = run(fn, jsbp.tensor(xv, plc, nd))
+    assert sum(coll.values()) == 0, coll
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = fn(jnp.asarray(xv))
+    refs = refs if isinstance(refs, (tuple, list)) else (refs,)
+    for o, r in zip(outs, refs):
+        assert o.sbp == parse(want, plc), o.sbp
+        np.testing.assert_allclose(np.asarray(o.numpy()), np.asarray(r), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "plc,nd", [(P4, "S(0)"), (P4, "S(3)"), (Q22, ("S(0)", "S(3)"))], ids=["batch", "feature", "2d"]
+)
+@pytest.mark.parametrize("kind", ["max", "sum"])
+def test_pooling_keeps_batch_and_feature_splits(kind, plc, nd):
+    """max / avg pooling (window 3, stride 2, SAME) and its gradient run on each device's images
+    and channels: no communication, the split kept."""
+    xv = rand(6, 7, 7, 6)  # uneven over 4 devices
+    pool = _pool(kind, (3, 3), (2, 2), "SAME")
+    _no_collectives(pool, xv, plc, nd, nd)
+    _no_collectives(jax.grad(lambda x: (pool(x) ** 2).sum()), xv, plc, nd, nd, tol=1e-4)
+
+
+def test_aligned_pooling_keeps_a_spatial_split():
+    """Non-overlapping windows that tile each block (2x2 stride 2, H = 8 over 4 devices) keep a
+    split of H, forward and backward; overlapping windows over a split H box instead."""
+    xv = rand(2, 8, 6, 3)
+    pool = _pool("max", (2, 2), (2, 2))
+    _no_collectives(pool, xv, P4, "S(1)", "S(1)")
+    _no_collectives(jax.grad(lambda x: (pool(x) ** 2).sum()), xv, P4, "S(1)", "S(1)")
+    out, _, coll = run(_pool("max", (3, 3), (1, 1), "SAME"), jsbp.tensor(xv, P4, "S(1)"))
+    assert sum(coll.values()) > 0
+    assert_close(out, _pool("max", (3, 3), (1, 1), "SAME")(jnp.asarray(xv)))
+
+
+def _depthwise(x, w):
+    dn = ("NHWC", "HWIO", "NHWC")
+    return jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=dn, feature_group_count=x.shape[-1]
+    )
+
+
+@pytest.mark.parametrize("plc,nd", [(P4, "S(3)"), (Q22, ("S(3)", "S(3)"))], ids=["4", "2x2"])
+def test_depthwise_conv_splits_channels(plc, nd):
+    """A depthwise conv with its channels split (whole groups per device) and both its gradients
+    (a grouped conv and a batch-grouped conv) need no communication."""
+    xv, wv = rand(2, 6, 6, 8), rand(3, 3, 1, 8)
+    loss = lambda x, w: (_depthwise(x, w) ** 2).sum()
+    x, w = jsbp.tensor(xv, plc, nd), jsbp.tensor(wv, plc, nd)
+    y, _, coll = run(_depthwise, x, w)
+    assert sum(coll.values()) == 0 and y.sbp == parse(nd, plc)
+    assert_close(y, _depthwise(jnp.asarray(xv), jnp.asarray(wv)), 1e-4)
+    (gx, gw), _, coll = run(jax.grad(loss, argnums=(0, 1)), x, w)
+    assert sum(coll.values()) == 0, coll
+    assert gx.sbp == parse(nd, plc) and gw.sbp == parse(nd, plc)
+    rx, rw = jax.grad(loss, argnums=(0, 1))(jnp.asarray(xv), jnp.asarray(wv))
+    assert_close(gx, rx, 1e-3)
+    assert_close(gw, rw, 1e-3)
+
+
+def test_depthwise_conv_kernel_gradient_over_a_split_batch_is_partial():
+    xv, wv = rand(7, 5, 5, 4), rand(3, 3, 1, 4)
+    loss = lambda x, w: (_depthwise(x, w) ** 2).sum()
+    (gx, gw), _, coll = run(
+        jax.grad(loss, argnums=(0, 1)), jsbp.tensor(xv, P4, "S(0)"), jsbp.tensor(wv, P4, "B")
+    )
+    assert sum(coll.values()) == 0, coll
+    assert gx.sbp == parse("S(0)", P4) and gw.sbp == parse("P", P4)
+    rx, rw = jax.grad(loss, argnums=(0, 1))(jnp.asarray(xv), jnp.asarray(wv))
+    assert_close(gx, rx, 1e-3)
+    assert_close(gw, rw, 1e-3)
+
+
+@pytest.mark.parametrize(
+    "fn,dtype",
+    [
+        (jnp.fft.fft, np.complex64),
+        (lambda x: jnp.fft.irfft(jnp.fft.rfft(x) * 2), np.float32),
+        (lambda x: jnp.abs(jnp.fft.fft2(x)), np.float32),
+    ],
+    ids=["fft", "rfft-irfft", "fft2"],
+)
+def test_fft_keeps_the_batch_split(fn, dtype):
+    xv = rand(7, 4, 6).astype(dtype)
+    _no_collectives(fn, xv, P4, "S(0)", "S(0)", tol=1e-4)
+
+
+def _spd(*batch, n=4):
+    a = rand(*batch, n, n)
+    return (a @ np.swapaxes(a, -1, -2) + n * np.eye(n)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        jnp.linalg.cholesky,
+        lambda a: jnp.linalg.eigh(a)[0],
+        jnp.linalg.det,
+        lambda a: jnp.linalg.slogdet(a)[1],
+        lambda a: jnp.linalg.svd(a, compute_uv=False),
+        lambda a: jnp.linalg.qr(a)[1],
+        jax.grad(lambda a: jnp.linalg.cholesky(a).sum()),
+    ],
+    ids=["cholesky", "eigh", "det", "slogdet", "svd", "qr", "grad-cholesky"],
+)
+def test_batched_linalg_keeps_the_batch_split(fn):
+    _no_collectives(fn, _spd(7), P4, "S(0)", "S(0)", tol=1e-3)
+
+
+def test_triangular_solve_splits_the_columns_of_b():
+    av, bv = np.tril(_spd()), rand(4, 9)
+    solve = lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True)
+    x, _, coll = run(solve, jsbp.tensor(av, P4, "B"), jsbp.tensor(bv, P4, "S(1)"))
+    assert sum(coll.values()) == 0 and x.sbp == parse("S(1)", P4)
+    assert_close(x, solve(jnp.asarray(av), jnp.asarray(bv)), 1e-4)
+
+
+def test_linalg_solve_and_inv_run_whole():
+    """custom_linear_solve (jnp.linalg.solve / inv) runs replicated; the values are right."""
+    av, bv = _spd(), rand(4, 3)
+    x, _, _ = run(jnp.linalg.solve, jsbp.tensor(av, P4, "B"), jsbp.tensor(bv, P4, "S(0)"))
+    assert_close(x, jnp.linalg.solve(jnp.asarray(av), jnp.asarray(bv)), 1e-4)
+    y, _, _ = run(jnp.linalg.inv, jsbp.tensor(av, P4, "S(0)"))
+    assert_close(y, jnp.linalg.inv(jnp.asarray(av)), 1e-4)
+
+
+@pytest.mark.parametrize(
+    "fn,nd,want",
+    [
+        (lambda x: jnp.stack([x, 2 * x], 1), "S(0)", "S(0)"),
+        (lambda x: jnp.stack([x, 2 * x], 0), "S(1)", "S(2)"),
+        (lambda x: jnp.select([x > 0.5, x < -0.5], [x, -x], 0.0), "S(1)", "S(1)"),
+        (lambda x: jnp.unstack(x, axis=1), "S(0)", "S(0)"),
+        (lambda x: jnp.tile(x, (1, 3)), "S(0)", "S(0)"),
+        (lambda x: jax.lax.complex(x, 2 * x), "S(1)", "S(1)"),
+        (lambda x: jnp.searchsorted(jnp.linspace(-2.0, 2.0, 6), x), "S(0)", "S(0)"),
+    ],
+    ids=["stack", "stack0", "select", "unstack", "tile", "complex", "searchsorted"],
+)
+def test_jax010_primitives_keep_splits(fn, nd, want):
+    _no_collectives(fn, rand(7, 5), P4, nd, want)

@@ -85,18 +85,21 @@ def _groups(a, b):
 
 
 def _reshape_sigs(ctx):
-    a = ctx.in_shapes[0]
+    # ``dimensions`` (a permutation) transposes the operand before the reshape: group the
+    # transposed dims and map each back to the operand dim it came from
+    perm = ctx.params.get("dimensions")
+    perm = tuple(range(len(ctx.in_shapes[0]))) if perm is None else tuple(perm)
+    a = tuple(ctx.in_shapes[0][p] for p in perm)
     b = tuple(ctx.params["new_sizes"])
     total = math.prod(ctx.hierarchy)
-    if ctx.params.get("dimensions") is None:
-        for gi, gj in _groups(a, b):
-            ai = [d for d in gi if a[d] != 1]
-            bj = [d for d in gj if b[d] != 1]
-            if not ai or not bj:
-                continue
-            # the major dim of a group keeps its split when both sides divide evenly over every device
-            if a[ai[0]] % total == 0 and b[bj[0]] % total == 0:
-                yield (Split(ai[0]),) + (B,) * (len(ctx.in_avals) - 1), (Split(bj[0]),)
+    for gi, gj in _groups(a, b):
+        ai = [d for d in gi if a[d] != 1]
+        bj = [d for d in gj if b[d] != 1]
+        if not ai or not bj:
+            continue
+        # the major dim of a group keeps its split when both sides divide evenly over every device
+        if a[ai[0]] % total == 0 and b[bj[0]] % total == 0:
+            yield (Split(perm[ai[0]]),) + (B,) * (len(ctx.in_avals) - 1), (Split(bj[0]),)
     yield (B,) * len(ctx.in_avals), (B,)
     for (pi,), po in _ALL_PARTIAL:
         yield (pi,) + (B,) * (len(ctx.in_avals) - 1), (po,)
