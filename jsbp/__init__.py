@@ -10,6 +10,7 @@ from . import distributed as distributed
 from . import env as env
 from . import numpy as numpy
 from . import sbp as sbp
+from ._errors import NoRuleWarning as NoRuleWarning
 from ._errors import PlacementError as PlacementError
 from ._errors import SbpError as SbpError
 from ._explain import explain as explain

@@ -540,8 +540,19 @@ def _all_to_all_dims(x, axis_name, split, concat, n):
     return y.reshape(out)
 
 
+def collective_dtype(dtype, partial: bool):
+    """The dtype a collective carries ``dtype`` in (None: as it is). JAX's collectives widen or
+    refuse ``bool``: it travels as ``uint8``, or as ``int32`` where it is summed (a partial sum of
+    booleans is their logical or; 8 bits would wrap at 256 devices), and comes back as ``!= 0``."""
+    if dtype != jnp.bool_:
+        return None
+    return jnp.int32 if partial else jnp.uint8
+
+
 def _apply_move(x, mv: Move, before: Layout, after: Layout):
     """Run one move on a device's local block ``x`` (padded, partial dim already squeezed)."""
+    if mv.collective and (wide := collective_dtype(x.dtype, mv.src.is_partial)) is not None:
+        return _apply_move(x.astype(wide), mv, before, after) != 0
     plc = before.placement
     axis_name, _ = collective_axes(plc, mv.axes)
     k = tuple(plc.hierarchy[a] for a in mv.axes)  # nested chunking over the group, outer first
@@ -589,10 +600,11 @@ def _apply_move(x, mv: Move, before: Layout, after: Layout):
 def run_plan(x, moves, src_layout: Layout):
     """Apply ``moves`` to local block ``x`` (no partial dim). Returns (x, final_layout)."""
     lay = src_layout
+    empty = math.prod(lay.shape) == 0  # every block is empty: nothing to communicate
     for mv in moves:
         nd = tuple(mv.dst if a in mv.axes else s for a, s in enumerate(lay.nd_sbp))
         nxt = layout_of(lay.placement, nd, lay.shape)
-        x = _apply_move(x, mv, lay, nxt)
+        x = jnp.zeros(nxt.local_shape, x.dtype) if empty else _apply_move(x, mv, lay, nxt)
         lay = nxt
     return x, lay
 

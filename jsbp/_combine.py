@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from ._boxing import blocks_first, collective_axes, gathered_to_dim
+from ._boxing import blocks_first, collective_axes, collective_dtype, gathered_to_dim
 
 COMBINE_BUCKET_BYTES = 32 << 20
 """Most input bytes per device in one combined collective (DDP's buckets are 25 MiB)."""
@@ -154,9 +154,14 @@ class Groups:
     def _run(self, members: list) -> list:
         mv = members[0][0].moves[0]
         axis, n = collective_axes(self.placement, mv.axes)
+        wide = collective_dtype(members[0][1].dtype, mv.src.is_partial)  # one dtype per group
+        if wide is not None:
+            members = [(bx, x.astype(wide)) for bx, x in members]
         if mv.collective == "reduce-scatter":
-            return _reduce_scatter_many([(x, bx.dst.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
-        return _all_gather_many([(x, bx.src.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
+            outs = _reduce_scatter_many([(x, bx.dst.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
+        else:
+            outs = _all_gather_many([(x, bx.src.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
+        return outs if wide is None else [y != 0 for y in outs]
 
 
 def _reduce_scatter_many(items: list[tuple[Any, int]], axis, n: int) -> list:

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import warnings
 from typing import Any
 
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ from jax.extend import core as jcore
 from . import _sbp
 from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, plan_cost, run_plan
 from ._combine import Groups, combine_collectives, is_deferred, passes_on
-from ._errors import SbpError
+from ._errors import NoRuleWarning, SbpError
 from ._layout import Layout, layout_of
 from .rules import _registry
 from .rules._registry import RuleContext
@@ -127,8 +128,14 @@ _NO_BUDGET = float("inf")
 
 class _Inference:
     def __init__(self, placement, demand: dict | None = None, cands_cache: dict | None = None,
-                 anchored: frozenset = frozenset(), budget: float = _NO_BUDGET):
+                 anchored: frozenset = frozenset(), budget: float = _NO_BUDGET, strict: bool = False,
+                 copies: dict | None = None):
         self.placement = placement
+        # call equation -> its jaxpr with fresh variables (``_fresh_vars``); shared by the passes of
+        # one ``infer`` like ``cands_cache``, so that what one pass learns of a value inside an
+        # inlined call (the lookahead's demand) names the same variable in the next
+        self.copies = {} if copies is None else copies
+        self.strict = strict  # a primitive without a rule raises instead of running replicated
         # values that keep their layout wherever some signature allows it (the program inputs, in
         # the anchored seed of ``infer``): consumers box around them
         self.anchored = anchored
@@ -259,8 +266,12 @@ class _Inference:
 
     def _candidates(self, eqn, cur: list[Layout]):
         name = eqn.primitive.name
-        shapes = ", ".join(f"{tuple(v.aval.shape)}" for v in eqn.invars)
-        rule = _registry.get_rule(name, op_desc=f" (operands of shape {shapes} on {self.placement})")
+        rule = _registry._RULES.get(name)
+        if rule is None:
+            if self.strict:
+                shapes = ", ".join(f"{tuple(v.aval.shape)}" for v in eqn.invars)
+                _registry.get_rule(name, op_desc=f" (operands of shape {shapes} on {self.placement})")
+            rule = _registry.replicated_rule(name)
         legal = _legal_signatures(self.placement, rule, eqn, tuple(cur))
         if not legal:
             lays = ", ".join(f"{tuple(v.aval.shape)} {_sbp.nd_str(l.nd_sbp)}" for v, l in zip(eqn.invars, cur))
@@ -581,8 +592,38 @@ def _call_jaxpr(eqn):
     return None
 
 
+def _fresh_vars(jaxpr):
+    """A copy of ``jaxpr`` with new variables. JAX traces a helper once and reuses its jaxpr at
+    every call site, so two inlined calls of one helper would otherwise share variables, and with
+    them every cache keyed by variable (conversions, demand, emitted values): the second call
+    would read the first call's values. Nested jaxprs (loop / branch bodies) are their own scopes
+    and stay shared."""
+    new: dict = {}
+
+    def var(v):
+        if isinstance(v, jcore.Literal):
+            return v
+        if isinstance(v, jcore.DropVar):
+            return jcore.DropVar(v.aval)
+        w = new.get(v)
+        if w is None:
+            w = new[v] = jcore.Var(v.aval)
+        return w
+
+    constvars = [var(v) for v in jaxpr.constvars]
+    invars = [var(v) for v in jaxpr.invars]
+    eqns = [e.replace(invars=[var(v) for v in e.invars], outvars=[var(v) for v in e.outvars])
+            for e in jaxpr.eqns]
+    return jaxpr.replace(constvars=constvars, invars=invars, outvars=[var(v) for v in jaxpr.outvars],
+                         eqns=eqns)
+
+
 def _infer_call(inf: _Inference, eqn, cur):
     jaxpr, consts = _call_jaxpr(eqn)
+    fresh = inf.copies.get(eqn)
+    if fresh is None:
+        fresh = inf.copies[eqn] = _fresh_vars(jaxpr)
+    jaxpr = fresh
     sub = inf.program(jaxpr, consts, cur, inline_of=list(eqn.invars))
     _alias_outputs(inf.alias, eqn.outvars, jaxpr.outvars)
     return Step(eqn, list(cur), sub.out_layouts, [], sub=sub, kind="call")
@@ -968,18 +1009,41 @@ def _gc_paused():
         gc.enable()
 
 
-def infer(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
+def infer(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = False) -> Program:
     """The SBP program of ``jaxpr``: the cheapest plan found by ``_search``, with reductions moved
     ahead of transposes where that costs nothing (``_reduce_before_transposes``) and small
-    reduce-scatters / all-gathers batched into combined collectives (``_combine``)."""
+    reduce-scatters / all-gathers batched into combined collectives (``_combine``). A primitive
+    without a rule runs replicated with a ``NoRuleWarning`` (``strict``: an ``SbpError``)."""
     with _gc_paused():
-        prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd)
+        prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict)
         _reduce_before_transposes(prog)
         combine_collectives(prog)
+    _warn_replicated(prog, placement)
     return prog
 
 
-def _search(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
+def _warn_replicated(prog: Program, placement) -> None:
+    """One ``NoRuleWarning`` per primitive of ``prog`` that had no rule and ran replicated."""
+    seen: dict = {}
+    for _, st in iter_steps(prog):
+        if st.kind == "prim" and st.rule is not None and st.rule.fallback:
+            name = st.eqn.primitive.name
+            shapes, nbytes = seen.get(name, ([], 0.0))
+            shapes.append(", ".join(str(tuple(v.aval.shape)) for v in st.eqn.invars))
+            seen[name] = (shapes, nbytes + sum(bx.bytes_per_device for bx in st.boxings))
+    for name, (shapes, nbytes) in seen.items():
+        warnings.warn(
+            f"no SBP rule for JAX primitive '{name}' (operands of shape {'; '.join(shapes[:3])}"
+            f"{' ...' if len(shapes) > 3 else ''}): it ran replicated on {placement}, its operands boxed to "
+            f"B ({nbytes:,.0f} bytes received per device) and computed whole on every device. Register a "
+            f"rule with @jsbp.register_sbp_rule('{name}') (CONTRIBUTING.md), or pass jsbp.jit(fn, "
+            "strict=True) / JSBP_STRICT=1 to make this an error.",
+            NoRuleWarning,
+            stacklevel=6,  # the user's call of the jitted function
+        )
+
+
+def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False) -> Program:
     """Greedy forward inference, then up to ``LOOKAHEAD_ROUNDS`` refinements: a backward walk
     collects the layouts each value's consumers want (seeded by ``out_nd`` and annotations), and a
     new forward pass charges every candidate the boxing of its outputs to those layouts. This sees
@@ -1001,7 +1065,7 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     more), and is refined only if it stays within it."""
     args = (jaxpr, consts, in_layouts, out_nd)
     inputs = frozenset(jaxpr.invars)
-    anch = _Inference(placement, None, {}, inputs)
+    anch = _Inference(placement, None, {}, inputs, strict=strict)
     anch.diverged = False
     anch_prog = anch.program(*args)
     if not anch.diverged:
@@ -1009,7 +1073,8 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None) -> Program:
         anch.anchored = frozenset()
         return _refine(anch, anch_prog, args)[0]
     best, best_cost = _refine(anch, anch_prog, args)
-    free = _Inference(placement, None, anch.cands_cache, budget=best_cost * SEED_SLACK)
+    free = _Inference(placement, None, anch.cands_cache, budget=best_cost * SEED_SLACK, strict=strict,
+                      copies=anch.copies)
     try:
         free_prog = free.program(*args)
     except _OverBudget:
@@ -1030,7 +1095,8 @@ def _refine(inf, prog, args) -> tuple[Program, float]:
         if cost == 0.0:
             break
         demand = inf.backward_demand(jaxpr.outvars, out_nd)
-        inf = _Inference(inf.placement, demand, inf.cands_cache, inf.anchored)
+        inf = _Inference(inf.placement, demand, inf.cands_cache, inf.anchored, strict=inf.strict,
+                         copies=inf.copies)
         new = inf.program(*args)
         new_cost = program_cost(new)
         if new_cost >= cost:

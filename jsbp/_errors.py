@@ -13,3 +13,10 @@ class SbpError(ValueError):
 class PlacementError(ValueError):
     """A bad placement: unknown or duplicate devices, ragged ranks, wrong axis names, or two
     placements mixed in one op."""
+
+
+class NoRuleWarning(UserWarning):
+    """A primitive without an SBP rule ran replicated under ``jsbp.jit``: its operands were boxed
+    to B (gathered on every device) and it was computed whole on each. Exact, but the gather and
+    the repeated compute cost; register a rule (CONTRIBUTING.md) or pass ``strict=True`` to make
+    this an ``SbpError``."""

@@ -45,6 +45,7 @@ class PlanRow:
     signature: str  # "(S(0)), (B) -> (S(0))": the layouts the op runs on
     outputs: tuple[str, ...]
     boxings: tuple[BoxingRow, ...]
+    note: str = ""  # "no rule: replicated" for a primitive without an SBP rule
 
 
 def _fmt_bytes(n: float) -> str:
@@ -106,7 +107,7 @@ class Plan:
         lines.append(header)
         lines.append("-" * len(header))
         for r in self.rows:
-            name = "  " * r.depth + r.primitive
+            name = "  " * r.depth + r.primitive + (f" [{r.note}]" if r.note else "")
             box = "; ".join(str(b) for b in r.boxings)
             lines.append(f"{name:<28} {', '.join(r.inputs):<34} {r.signature:<40} {box}")
         for b in self.output_boxings:
@@ -140,7 +141,8 @@ def plan_of_program(prog, placement) -> Plan:
         )
         rows.append(
             PlanRow(depth, st.eqn.primitive.name, ins, sig, tuple(_sbp.nd_str(l.nd_sbp) for l in st.out_layouts),
-                    tuple(_boxing_row(b) for b in st.boxings))
+                    tuple(_boxing_row(b) for b in st.boxings),
+                    "no rule: replicated" if st.rule is not None and st.rule.fallback else "")
         )
         for s in subprograms(st):
             for b in s.out_boxings:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +26,7 @@ from ._compiler import Program, infer, run_program
 from ._errors import PlacementError, SbpError
 from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
+from ._statickey import static_key
 from ._tensor import GlobalTensor
 from ._trace import tracing
 
@@ -95,6 +98,7 @@ class _Entry:
     flat_fn: Any  # logical flat function (for the backward program)
     out_struct: Any = None  # out_tree with global tensors as nodes: physical outputs -> global tensors
     _bwd: Any = None
+    strict: bool = False  # a primitive without a rule raises (else: runs replicated, with a warning)
     _diff: Any = None
 
 
@@ -119,23 +123,50 @@ def _partial_squeeze(lays):
     return [bool(lay.partial_axes) for lay in lays]
 
 
-def _build_shard_map(placement, in_layouts, out_layouts, prog):
+def _build_shard_map(placement, in_layouts, out_layouts, prog, in_dtypes):
+    """The jitted ``shard_map`` running ``prog`` on physical arrays. A zero-size input holds no
+    data: it is made inside the body instead of passed in (XLA rejects a manual computation whose
+    body folds an empty operand away: "expected at least one operand ... GlobalToLocalShape")."""
     sq_in = _partial_squeeze(in_layouts)
     sq_out = _partial_squeeze(out_layouts)
+    passed = [math.prod(l.shape) != 0 for l in in_layouts]
 
     def body(*xs):
-        xs = [x[0] if s else x for x, s in zip(xs, sq_in)]
+        it = iter(xs)
+        xs = [
+            (next(it)[0] if s else next(it)) if keep else jnp.zeros(l.local_shape, d)
+            for keep, s, l, d in zip(passed, sq_in, in_layouts, in_dtypes)
+        ]
         outs = run_program(prog, xs)
         return tuple(o[None] if s else o for o, s in zip(outs, sq_out))
 
-    sm = jax.shard_map(
+    sm = jax.jit(jax.shard_map(
         body,
         mesh=placement.mesh,
-        in_specs=tuple(l.spec for l in in_layouts),
+        in_specs=tuple(l.spec for l, keep in zip(in_layouts, passed) if keep),
         out_specs=tuple(l.spec for l in out_layouts),
         check_vma=False,
-    )
-    return jax.jit(sm)
+    ))
+    if all(passed):
+        return sm
+    return _DropEmpty(sm, passed)
+
+
+class _DropEmpty:
+    """``fn`` called with the non-empty ones of its physical arguments (see ``_build_shard_map``);
+    ``lower`` as ``jax.jit``'s, for ``count_collectives``."""
+
+    def __init__(self, fn, passed):
+        self.fn, self.passed = fn, passed
+
+    def _keep(self, args):
+        return [a for a, keep in zip(args, self.passed) if keep]
+
+    def __call__(self, *args):
+        return self.fn(*self._keep(args))
+
+    def lower(self, *args):
+        return self.fn.lower(*self._keep(args))
 
 
 def _out_nd_list(out_sbp, n_out, placement, out_shapes):
@@ -159,8 +190,11 @@ def _out_nd_list(out_sbp, n_out, placement, out_shapes):
     return [None if s is None else normalise_nd(s, shp, placement, op="jsbp.jit(out_sbp=)") for s, shp in zip(specs, out_shapes)]
 
 
-def _trace(fn, treedef, static, in_layouts, in_dtypes, placement):
-    abstract = [jax.ShapeDtypeStruct(l.shape, d) for l, d in zip(in_layouts, in_dtypes)]
+def _trace(fn, treedef, static, in_layouts, in_dtypes, placement, weak=()):
+    """``weak``: per leaf, whether it is a Python scalar (weakly typed, as under ``jax.jit``: a
+    float16 tensor times ``2.0`` stays float16)."""
+    weak = tuple(weak) or (False,) * len(in_layouts)
+    abstract = [jax.ShapeDtypeStruct(l.shape, d, weak_type=w) for l, d, w in zip(in_layouts, in_dtypes, weak)]
     store = {}
 
     def flat_fn(*logical):
@@ -193,9 +227,10 @@ def _merge_static(args, static):
 class JitFunction:
     """A consistent-view function compiled by ``jsbp.jit``; call it with global tensors."""
 
-    def __init__(self, fn, *, out_sbp=None, static_argnums: int | Sequence[int] = ()):
+    def __init__(self, fn, *, out_sbp=None, static_argnums: int | Sequence[int] = (), strict: bool | None = None):
         self.fn = fn
         self.out_sbp = out_sbp
+        self.strict = _strict_default() if strict is None else bool(strict)
         self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
         self._cache: dict = {}
         # dispatch cache: (structure of the arguments with global tensors as nodes, leaf types,
@@ -209,6 +244,14 @@ class JitFunction:
         static = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
         dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
         return dyn, static
+
+    @staticmethod
+    def _static_key(static):
+        """Typed: ``1``, ``1.0``, ``True`` and ``-0.0`` are different programs (``_statickey``)."""
+        try:
+            return static_key(static)
+        except TypeError:
+            raise SbpError(f"jsbp.jit: static arguments must be hashable, got {static!r}.") from None
 
     def _prepare(self, args):
         dyn, static = self._split(args)
@@ -228,38 +271,36 @@ class JitFunction:
                 f"jsbp.jit({getattr(self.fn, '__name__', 'fn')}) needs at least one GlobalTensor argument "
                 "to know the placement; make one with jsbp.tensor(...)."
             )
-        phys, lays, dtypes, plain = [], [], [], []
+        phys, lays, dtypes, plain, weak = [], [], [], [], []
         for i, x in enumerate(leaves):
             if _is_global(x):
                 phys.append(x._value)
                 lays.append(x._layout)
                 dtypes.append(np.dtype(x._value.dtype))
+                weak.append(False)
             else:
                 arr = x if isinstance(x, jax.Array) else jnp.asarray(x)
                 lay = layout_of(placement, (_sbp.broadcast,) * placement.ndim, tuple(arr.shape))
                 phys.append(_put_plain(arr, lay))
                 lays.append(lay)
                 dtypes.append(np.dtype(arr.dtype))
+                weak.append(type(x) in (int, float, complex))
                 plain.append((i, lay))
-        key = (treedef, tuple(lays), tuple(dtypes), static)
-        try:
-            hash(key)
-        except TypeError:
-            raise SbpError(f"jsbp.jit: static arguments must be hashable, got {static!r}.") from None
+        key = (treedef, tuple(lays), tuple(dtypes), tuple(weak), self._static_key(static))
         return key, placement, treedef, static, lays, dtypes, phys, plain
 
     def _entry(self, key, placement, treedef, static, lays, dtypes) -> _Entry:
         entry = self._cache.get(key)
         if entry is None:
-            closed, out_tree, flat_fn = _trace(self.fn, treedef, static, lays, dtypes, placement)
+            closed, out_tree, flat_fn = _trace(self.fn, treedef, static, lays, dtypes, placement, key[3])
             out_avals = closed.out_avals
             out_nd = _out_nd_list(self.out_sbp, len(out_avals), placement, [a.shape for a in out_avals])
-            prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd)
-            fn = _build_shard_map(placement, lays, prog.out_layouts, prog)
+            prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd, strict=self.strict)
+            fn = _build_shard_map(placement, lays, prog.out_layouts, prog, dtypes)
             out_struct = jax.tree_util.tree_structure(
                 jax.tree_util.tree_unflatten(out_tree, [GlobalTensor(0, lay) for lay in prog.out_layouts]))
             entry = _Entry(placement, lays, dtypes, prog, out_tree, prog.out_layouts,
-                           [a.dtype for a in out_avals], fn, flat_fn, out_struct)
+                           [a.dtype for a in out_avals], fn, flat_fn, out_struct, strict=self.strict)
             self._cache[key] = entry
         return entry
 
@@ -267,8 +308,8 @@ class JitFunction:
         """The compiled entry for these arguments and the physical arrays to call it with."""
         dyn, static = self._split(args)
         leaves, structure = jax.tree_util.tree_flatten(dyn)
-        fast_key = (structure, tuple(map(_leaf_type, leaves)), static)
         try:
+            fast_key = (structure, tuple(map(_leaf_type, leaves)), static_key(static))
             hit = self._fast.get(fast_key)
         except TypeError:  # unhashable static argument: _prepare says so
             hit, fast_key = None, None
@@ -363,13 +404,18 @@ def _backward(entry: _Entry):
     with tracing(_Hook(entry.placement)):
         closed = jax.make_jaxpr(bwd_logical)(*abstract)
     out_nd = [entry.in_layouts[i].nd_sbp for i in diff_idx]
-    prog = infer(entry.placement, closed.jaxpr, closed.consts, in_lays, out_nd)
-    fn = _build_shard_map(entry.placement, in_lays, prog.out_layouts, prog)
+    prog = infer(entry.placement, closed.jaxpr, closed.consts, in_lays, out_nd, strict=entry.strict)
+    fn = _build_shard_map(entry.placement, in_lays, prog.out_layouts, prog, in_dts)
     entry._bwd = (fn, set(diff_idx))
     return entry._bwd
 
 
-def jit(fn=None, *, out_sbp=None, static_argnums: int | Sequence[int] = ()):
+def _strict_default() -> bool:
+    """``JSBP_STRICT=1`` makes every ``jsbp.jit`` strict unless it says otherwise."""
+    return os.environ.get("JSBP_STRICT", "") not in ("", "0")
+
+
+def jit(fn=None, *, out_sbp=None, static_argnums: int | Sequence[int] = (), strict: bool | None = None):
     """Compile a consistent-view function of global tensors into one ``shard_map`` program.
 
     Global tensor arguments arrive in ``fn`` as logical ``jax.Array`` s; plain arrays and scalars
@@ -379,7 +425,11 @@ def jit(fn=None, *, out_sbp=None, static_argnums: int | Sequence[int] = ()):
 
     >>> step = jsbp.jit(lambda x, w: jnp.tanh(x @ w))  # doctest: +SKIP
     >>> y = step(x, w)   # x: (S(0)), w: (B)  ->  y: (S(0)), no communication  # doctest: +SKIP
+
+    A primitive with no SBP rule runs replicated (operands gathered to B, computed on every
+    device) with a ``jsbp.NoRuleWarning``; ``strict=True`` (or ``JSBP_STRICT=1``) makes it an
+    ``SbpError`` naming the primitive instead.
     """
     if fn is None:
-        return functools.partial(jit, out_sbp=out_sbp, static_argnums=static_argnums)
-    return JitFunction(fn, out_sbp=out_sbp, static_argnums=static_argnums)
+        return functools.partial(jit, out_sbp=out_sbp, static_argnums=static_argnums, strict=strict)
+    return JitFunction(fn, out_sbp=out_sbp, static_argnums=static_argnums, strict=strict)

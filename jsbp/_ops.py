@@ -3,6 +3,7 @@ cached per (operation, static arguments) and then per input layout."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 
@@ -11,39 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._jit import JitFunction
+from ._statickey import static_key
 from ._tensor import GlobalTensor
 
 _CACHE: dict = {}
-
-
-def _freeze(v):
-    if isinstance(v, slice):
-        return ("__slice__", v.start, v.stop, v.step)
-    if isinstance(v, tuple):
-        return ("__tuple__",) + tuple(_freeze(x) for x in v)
-    if isinstance(v, list):
-        return ("__list__",) + tuple(_freeze(x) for x in v)
-    if v is Ellipsis:
-        return ("__ellipsis__",)
-    if isinstance(v, np.dtype) or isinstance(v, type):
-        return ("__dtype__", str(np.dtype(v)))
-    return v
-
-
-def _thaw(v):
-    if isinstance(v, tuple) and v and isinstance(v[0], str) and v[0].startswith("__"):
-        tag = v[0]
-        if tag == "__slice__":
-            return slice(*v[1:])
-        if tag == "__tuple__":
-            return tuple(_thaw(x) for x in v[1:])
-        if tag == "__list__":
-            return [_thaw(x) for x in v[1:]]
-        if tag == "__ellipsis__":
-            return Ellipsis
-        if tag == "__dtype__":
-            return np.dtype(v[1])
-    return v
 
 
 def _is_dynamic(x):
@@ -53,17 +25,17 @@ def _is_dynamic(x):
 def eager(fn, *args, **kwargs):
     """Run ``fn(*args, **kwargs)`` (a jax.numpy-level function) on global tensors, consistently."""
     dyn_pos = tuple(i for i, a in enumerate(args) if _is_dynamic(a))
-    static = tuple((i, _freeze(a)) for i, a in enumerate(args) if i not in dyn_pos)
-    kw = tuple(sorted((k, _freeze(v)) for k, v in kwargs.items()))
-    key = (fn, dyn_pos, static, kw)
-    try:
+    try:  # typed keys: 1, 1.0, True and -0.0 are different programs (``_statickey``)
+        key = (fn, dyn_pos, static_key(tuple(a for i, a in enumerate(args) if i not in dyn_pos)),
+               static_key(kwargs))
         jf = _CACHE.get(key)
     except TypeError:  # unhashable static argument: no caching of the wrapper
         jf, key = None, None
     if jf is None:
         n = len(args)
-        st = {i: _thaw(v) for i, v in static}
-        kwd = {k: _thaw(v) for k, v in kw}
+        # copies: the wrapper is cached under these values, a list mutated later must not change it
+        st = copy.deepcopy({i: a for i, a in enumerate(args) if i not in dyn_pos})
+        kwd = copy.deepcopy(kwargs)
 
         def call(*dyn):
             it = iter(dyn)
@@ -108,7 +80,37 @@ for _n, _f in {"neg": jnp.negative, "pos": jnp.positive, "abs": jnp.abs, "invert
     setattr(GlobalTensor, f"__{_n}__", _unary(_f))
 
 
+def _check_bounds(shape, key):
+    """``IndexError`` for a static integer index out of range (JAX would clamp it: ``x[5]`` of a
+    length-3 tensor would read ``x[2]``, and ``list(x)`` would never end)."""
+    key = key if isinstance(key, tuple) else (key,)
+
+    def width(k):  # dims an index entry consumes
+        if k is None:
+            return 0
+        if isinstance(k, (bool, np.bool_)):
+            return 0
+        if getattr(k, "dtype", None) is not None and np.dtype(k.dtype) == np.bool_:
+            return len(np.shape(k))
+        return 1
+
+    n_used = sum(width(k) for k in key if k is not Ellipsis)
+    dim = 0
+    for k in key:
+        if k is Ellipsis:
+            dim += max(len(shape) - n_used, 0)
+            continue
+        if isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
+            if dim >= len(shape):
+                raise IndexError(f"too many indices for a global tensor of shape {shape}")
+            n = shape[dim]
+            if not -n <= int(k) < n:
+                raise IndexError(f"index {int(k)} is out of bounds for dim {dim} with size {n}")
+        dim += width(k)
+
+
 def _getitem(self, key):
+    _check_bounds(self.shape, key)
     return eager(operator.getitem, self, key)
 
 

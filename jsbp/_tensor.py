@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Sequence
 
 import jax
@@ -184,6 +185,51 @@ class GlobalTensor:
         if not self.shape:
             raise TypeError("len() of a 0-d global tensor")
         return self.shape[0]
+
+    # -- Python's questions, answered as a jax.Array answers them ---------------------------------
+    def __iter__(self):
+        if not self.shape:
+            raise TypeError("iteration over a 0-d global tensor")
+        return (self[i] for i in range(self.shape[0]))
+
+    def _item(self, what: str):
+        """The one element of a size-1 tensor as a numpy scalar (for ``bool`` / ``float`` / ...)."""
+        if isinstance(self._value, jax.core.Tracer):
+            raise SbpError(
+                f"{what}() of the global tensor of {self._layout.describe()} needs a concrete value, but it "
+                "is a tracer here (inside jax.jit / jax.grad / jsbp.jit). Use jnp.where / lax.cond on the "
+                "value instead of Python control flow."
+            )
+        if self.size != 1:
+            if what == "bool":
+                raise ValueError(
+                    f"The truth value of a global tensor of shape {self.shape} is ambiguous (it has "
+                    f"{self.size} elements); use x.any() or x.all()."
+                )
+            raise TypeError(
+                f"only size-1 global tensors can be converted to Python scalars with {what}(); this one "
+                f"has shape {self.shape}."
+            )
+        return self.numpy().reshape(())[()]
+
+    def __bool__(self):
+        return bool(self._item("bool"))
+
+    def __float__(self):
+        return float(self._item("float"))
+
+    def __int__(self):
+        return int(self._item("int"))
+
+    def __complex__(self):
+        return complex(self._item("complex"))
+
+    def __index__(self):
+        if not jnp.issubdtype(self.dtype, jnp.integer):
+            raise TypeError(
+                f"only integer global tensors can be used as an index; this one is {np.dtype(self.dtype).name}."
+            )
+        return int(self._item("index"))
 
 
 def _check_global(x, op: str) -> GlobalTensor:
@@ -512,14 +558,60 @@ def _next_key():
     return key
 
 
-def _layout_for(shape, placement, sbp, op) -> Layout:
+def _layout_for(shape, placement, sbp, op, dtype=None) -> Layout:
     if not isinstance(placement, Placement):
         raise PlacementError(
             f"{op}: placement must be a jsbp.placement (e.g. jsbp.placement('cpu', [0, 1])), got {placement!r}."
         )
     if sbp is None:
         raise SbpError(f"{op}: pass sbp= (one SBP per placement axis, e.g. sbp.split(0) or 'B').")
-    return layout_of(placement, normalise_nd(sbp, shape, placement, op=op), tuple(int(s) for s in shape))
+    lay = layout_of(placement, normalise_nd(sbp, shape, placement, op=op), tuple(int(s) for s in shape))
+    if dtype is not None:
+        _check_fits(lay, dtype, op)
+    return lay
+
+
+def _memory_limit(placement: Placement) -> int | None:
+    """Bytes all devices of ``placement`` can hold together, if known: their allocators' limits,
+    else (CPU devices share it) the host's physical memory."""
+    try:
+        stats = [d.memory_stats() for d in placement.devices.flat]
+        if all(s and "bytes_limit" in s for s in stats):
+            return sum(int(s["bytes_limit"]) for s in stats)
+    except Exception:  # a backend without memory statistics
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_fits(lay: Layout, dtype, op: str) -> None:
+    """An ``SbpError`` for a tensor its devices cannot hold, before XLA tries (and aborts the
+    process). Stored bytes: the physical array, padding and partial addends included."""
+    need = math.prod(lay.physical_shape) * np.dtype(dtype).itemsize
+    limit = _memory_limit(lay.placement)
+    if limit is not None and need > limit:
+        raise SbpError(
+            f"{op}: a {np.dtype(dtype).name} tensor of {lay.describe()} needs {need:,} bytes on its devices, more than the {limit:,} they have; use a smaller "
+            "shape, a narrower dtype, or split it over more devices."
+        )
+
+
+def _check_int_range(np_arr: np.ndarray, dtype, op: str) -> None:
+    """An ``SbpError`` where converting integers to ``dtype`` would wrap (64-bit data with
+    ``jax_enable_x64`` off, or an explicit narrower ``dtype=``): JAX would raise or wrap silently."""
+    dt = np.dtype(dtype)
+    if np_arr.size == 0 or np_arr.dtype.kind not in "biu" or dt.kind not in "iu":
+        return
+    info = np.iinfo(dt)
+    lo, hi = int(np_arr.min()), int(np_arr.max())
+    if lo < info.min or hi > info.max:
+        raise SbpError(
+            f"{op}: the values range over [{lo}, {hi}], which does not fit {dt.name} "
+            f"([{info.min}, {info.max}]); pass dtype= a wider type (64-bit types need "
+            "jax.config.update('jax_enable_x64', True)) or reduce the values."
+        )
 
 
 def _shape_args(shape, op) -> tuple[int, ...]:
@@ -552,13 +644,20 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
     elif isinstance(data, jax.core.Tracer):
         arr = data
     else:
-        np_arr = np.asarray(data)
+        try:
+            np_arr = np.asarray(data)
+        except OverflowError as e:
+            raise SbpError(f"tensor: cannot make a tensor from {type(data).__name__} {data!r}: {e}.") from None
         if np_arr.dtype == object:
-            raise SbpError(f"tensor: cannot make a tensor from {type(data).__name__} {data!r}.")
-        arr = np_arr.astype(_canonical_dtype(np_arr.dtype), copy=False)
-    if dtype is not None:
+            big = [v for v in np.ravel(np.asarray(data, dtype=object)) if isinstance(v, int) and abs(v) >= 2**63]
+            why = f" ({big[0]} does not fit a 64-bit integer)" if big else ""
+            raise SbpError(f"tensor: cannot make a tensor from {type(data).__name__} {data!r}{why}.")
+        target = _canonical_dtype(np_arr.dtype if dtype is None else dtype)
+        _check_int_range(np_arr, target, "tensor")
+        arr = np_arr.astype(target, copy=False)
+    if dtype is not None and isinstance(arr, jax.Array):
         arr = arr.astype(_canonical_dtype(dtype))
-    lay = _layout_for(np.shape(arr), placement, sbp, "tensor")
+    lay = _layout_for(np.shape(arr), placement, sbp, "tensor", arr.dtype)
     if not isinstance(arr, jax.core.Tracer) and not isinstance(arr, jax.Array):
         if lay.is_even and not lay.partial_axes:
             return GlobalTensor(jax.device_put(arr, lay.sharding), lay)
@@ -591,6 +690,7 @@ def full(shape, value, placement=None, sbp=None, *, dtype=None) -> GlobalTensor:
     if dtype is None:  # like jnp.full: the value's own dtype, Python floats as float32
         dtype = value.dtype if hasattr(value, "dtype") else np.float32 if isinstance(value, float) else np.result_type(type(value))
     dt = _canonical_dtype(dtype)
+    _check_fits(lay, dt, "full")
     if math.prod(shape) == 0:
         return GlobalTensor(_empty(lay, dt), lay)
     return GlobalTensor(_filled(lay, dt, value.item() if hasattr(value, "item") else value)(), lay)
@@ -606,10 +706,7 @@ def ones(*shape, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
 
 def arange(*args, placement=None, sbp=None, dtype=None) -> GlobalTensor:
     """``jnp.arange(*args)`` as a global tensor."""
-    value = np.arange(*args)
-    if dtype is not None:
-        value = value.astype(dtype)
-    return tensor(value, placement, sbp)
+    return tensor(np.arange(*args), placement, sbp, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -623,7 +720,7 @@ def _random(lay: Layout, kind: str, dtype):
 
 def _random_tensor(kind, shape, key, placement, sbp, dtype, op):
     shape = _shape_args(shape, op)
-    lay = _layout_for(shape, placement, sbp, op)
+    lay = _layout_for(shape, placement, sbp, op, _canonical_dtype(dtype))
     if key is None:
         key = _next_key()
     elif isinstance(key, (int, np.integer)) and not isinstance(key, bool):

@@ -434,15 +434,46 @@ def test_two_placements_in_one_op_is_an_error_naming_both():
         _ = x + z
 
 
-def test_missing_rule_names_the_primitive():
+def _no_rule_primitive(name):
+    """A primitive jsbp has no rule for: ``x[::-1] * 2`` along dim 0 (not elementwise, so a
+    fallback that kept the split would be wrong)."""
     from jax.extend.core import Primitive
     from jax.interpreters import mlir
 
-    weird = Primitive("jsbp_test_weird")
-    weird.def_abstract_eval(lambda x: x)
-    mlir.register_lowering(weird, lambda ctx, x: [x])
-    with pytest.raises(jsbp.SbpError, match=r"jsbp_test_weird.*register_sbp_rule"):
-        jsbp.jit(lambda x: weird.bind(x))(gt(rand(4, 4), P4, "S(0)"))
+    prim = Primitive(name)
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    impl = lambda x: jnp.flip(x, 0) * 2
+    prim.def_impl(impl)
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
+    return prim
+
+
+def test_missing_rule_runs_replicated_with_a_warning():
+    weird = _no_rule_primitive("jsbp_test_weird")
+    xv = rand(7, 4)
+    x = gt(xv, P4, "S(0)")
+    f = lambda x: weird.bind(x * 3.0) + 1.0
+    with pytest.warns(jsbp.NoRuleWarning, match=r"jsbp_test_weird.*\(7, 4\).*replicated.*strict=True"):
+        y = jsbp.jit(f)(x)
+    np.testing.assert_allclose(y.numpy(), np.flip(xv * 3.0, 0) * 2 + 1.0, rtol=1e-6)
+    plan = jsbp.explain(f, x)
+    (row,) = [r for r in plan.rows if r.primitive == "jsbp_test_weird"]
+    assert row.note == "no rule: replicated" and "[no rule: replicated]" in str(plan)
+    assert row.signature == "(B) -> (B)" and [b.collectives for b in row.boxings] == [("all-gather",)]
+    assert "no rule: replicated" in plan._repr_html_()
+    assert plan.collectives() == jsbp.debug.count_collectives(jsbp.jit(f), x)
+
+
+def test_missing_rule_raises_in_strict_mode(monkeypatch):
+    weird = _no_rule_primitive("jsbp_test_weird_strict")
+    x = gt(rand(4, 4), P4, "S(0)")
+    with pytest.raises(jsbp.SbpError, match=r"jsbp_test_weird_strict.*\(4, 4\).*register_sbp_rule"):
+        jsbp.jit(lambda x: weird.bind(x), strict=True)(x)
+    monkeypatch.setenv("JSBP_STRICT", "1")
+    with pytest.raises(jsbp.SbpError, match="strict mode"):
+        jsbp.jit(lambda x: weird.bind(x) + 1.0)(x)
+    with pytest.warns(jsbp.NoRuleWarning):  # an explicit strict=False wins over the variable
+        jsbp.jit(lambda x: weird.bind(x) - 1.0, strict=False)(x)
 
 
 def test_jit_needs_a_global_tensor():

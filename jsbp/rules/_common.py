@@ -51,14 +51,21 @@ def mask_padding(x, lay: Layout, dims, fill):
 
 
 def identity_of(kind: str, dtype):
+    """The identity of reduction ``kind`` ("sum", "max", "min") in ``dtype``: what padding is
+    replaced by before reducing over a split dim. ``jnp``'s dtype tests, not numpy's: numpy does
+    not know bfloat16 or the float8 types as floating. Complex values order lexicographically
+    (real part first), so their extremes are infinite in both parts."""
     dt = np.dtype(dtype)
     if kind == "sum":
         return 0
-    if np.issubdtype(dt, np.floating):
-        return -np.inf if kind == "max" else np.inf
-    if np.issubdtype(dt, np.bool_):
+    if dt == np.bool_:
         return kind != "max"
-    info = np.iinfo(dt)
+    if jnp.issubdtype(dt, jnp.complexfloating):
+        inf = -np.inf if kind == "max" else np.inf
+        return complex(inf, inf)
+    if jnp.issubdtype(dt, jnp.floating):
+        return -np.inf if kind == "max" else np.inf
+    info = jnp.iinfo(dt)
     return info.min if kind == "max" else info.max
 
 

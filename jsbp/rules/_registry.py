@@ -14,6 +14,7 @@ from typing import Any
 
 from .._errors import SbpError
 from .._sbp import Sbp
+from .._sbp import broadcast as B
 
 AxisSignature = tuple[tuple[Sbp, ...], tuple[Sbp, ...]]
 """One legal (input sbps, output sbps) pair for one placement axis."""
@@ -45,6 +46,7 @@ class Rule:
     signatures: Callable[[RuleContext], Iterable[AxisSignature]]
     local: Callable | None = None  # local(ctx, ins, in_layouts, out_layouts) -> outs
     nd: bool = False  # signatures() returns nd signatures (one sbp tuple per operand) directly
+    fallback: bool = False  # no rule was registered: the primitive runs replicated
 
 
 _RULES: dict[str, Rule] = {}
@@ -79,14 +81,27 @@ def register_sbp_rule(*primitives: str, local: Callable | None = None, nd: bool 
 
 
 def get_rule(name: str, *, op_desc: str = "") -> Rule:
+    """The rule of primitive ``name``; an ``SbpError`` naming it if there is none."""
     try:
         return _RULES[name]
     except KeyError:
         raise SbpError(
-            f"no SBP rule for JAX primitive '{name}'{op_desc}. jsbp never falls back silently: register "
-            f"one with @jsbp.register_sbp_rule('{name}') (see CONTRIBUTING.md), or compute this part "
-            "outside jsbp.jit."
+            f"no SBP rule for JAX primitive '{name}'{op_desc}, and strict mode is on (jsbp.jit(fn, "
+            f"strict=True) or JSBP_STRICT=1). Register one with @jsbp.register_sbp_rule('{name}') (see "
+            "CONTRIBUTING.md), turn strict mode off to run it replicated, or compute this part outside "
+            "jsbp.jit."
         ) from None
+
+
+def _replicated(ctx):
+    yield (B,) * len(ctx.in_avals), (B,) * len(ctx.out_avals)
+
+
+def replicated_rule(name: str) -> Rule:
+    """The fallback of a primitive without a rule: every operand boxed to B, the primitive computed
+    whole on every device, every result B. Exact for any deterministic primitive (see
+    ``docs/rules.md``: effects such as ``debug_callback`` then run once per device)."""
+    return Rule(name, _replicated, None, False, fallback=True)
 
 
 def registered() -> dict[str, Rule]:

@@ -49,13 +49,16 @@ _KEEP_EXTREMES = [((PMAX,), PMAX), ((PMIN,), PMIN)]
 
 
 def _elementwise(ctx, partial_sigs=()):
-    """Every dim split alike on the full-rank operands (lower-rank ones, scalars, stay B), all B,
-    and the given partial signatures."""
+    """Every dim split alike on the full-rank operands, all B, and the given partial signatures.
+    An operand that is broadcast along a dim (a scalar, or a size-1 dim of a rank-equal operand
+    against a longer result: ``(4, 4) * (4, 1)`` is one ``mul``) stays B there: each block of the
+    result needs all of it."""
     shapes = ctx.in_shapes
     rank = max((len(s) for s in shapes), default=0)
+    out = ctx.out_shapes[0] if ctx.out_avals else ()
     for d in range(rank):
         yield (
-            tuple(Split(d) if len(s) == rank else B for s in shapes),
+            tuple(Split(d) if len(s) == rank and s[d] == out[d] else B for s in shapes),
             (Split(d),) * len(ctx.out_avals),
         )
     yield (B,) * len(shapes), (B,) * len(ctx.out_avals)

@@ -39,5 +39,6 @@ def _threefry(ctx):
     rank = len(ctx.out_shapes[0])
     n_out = len(ctx.out_avals)
     for d in range(rank):
-        yield tuple(Split(d) if len(s) == rank else B for s in ctx.in_shapes), (Split(d),) * n_out
+        out = ctx.out_shapes[0]  # a size-1 (broadcast) dim of an operand stays B, as in elementwise
+        yield tuple(Split(d) if len(s) == rank and s[d] == out[d] else B for s in ctx.in_shapes), (Split(d),) * n_out
     yield (B,) * len(ctx.in_avals), (B,) * n_out

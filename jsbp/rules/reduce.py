@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from .._sbp import Split
 from ._common import PMAX, PMIN, B, P, identity_of, mask_padding
 from ._registry import register_sbp_rule
@@ -18,10 +20,14 @@ def _reduce_sigs(ctx, partial_in_ok):
     axes = tuple(ctx.params["axes"])
     rank = len(ctx.in_shapes[0])
     name = ctx.primitive.name
+    partial = _PARTIAL_OF.get(name)
+    if partial is not None and partial.reduce != "sum" and jnp.issubdtype(ctx.in_avals[0].dtype, jnp.complexfloating):
+        # XLA has no max / min collective for complex values: reduce them whole
+        partial = partial_in_ok = None
     for d in range(rank):
         if d in axes:
-            if name in _PARTIAL_OF:
-                yield (Split(d),), (_PARTIAL_OF[name],)
+            if partial is not None:
+                yield (Split(d),), (partial,)
         else:
             yield (Split(d),), (Split(_out_dim(d, axes)),)
     yield (B,), (B,)

@@ -89,6 +89,7 @@ class PlanRow:
     outputs: tuple[str, ...] | None
     name: str | None
     depth: int
+    note: str = ""  # e.g. "no rule: replicated"
 
     @property
     def has_collective(self) -> bool:
@@ -184,6 +185,7 @@ def _row(r) -> PlanRow:
         outputs=None if outs is None else tuple(_nd_words(s) for s in outs),
         name=_get(r, "name", None),
         depth=int(_get(r, "depth", 0) or 0),
+        note=str(_get(r, "note", "") or ""),
     )
 
 
@@ -256,7 +258,7 @@ def plan_text(plan) -> str:
             (
                 "*" if r.has_collective else "",
                 str(i + 1),
-                "  " * r.depth + r.primitive,
+                "  " * r.depth + r.primitive + (f" [{r.note}]" if r.note else ""),
                 ", ".join(r.inputs),
                 r.signature,
                 "; ".join(b.words() for b in r.boxings) or "-",
@@ -292,6 +294,8 @@ def plan_html(plan) -> str:
         prim = f'<span style="padding-left:{12 * r.depth}px">{esc(r.primitive)}</span>'
         if r.name:
             prim += f'<div style="opacity:0.7;font-size:10px">{esc(r.name)}</div>'
+        if r.note:
+            prim += f'<div class="jsbp-note" style="color:#b35900;font-size:10px">{esc(r.note)}</div>'
         sig = esc(r.signature)
         if r.outputs is not None and "->" not in r.signature:  # explain's signatures include them
             sig += f'<div style="opacity:0.7;font-size:10px">out {esc(", ".join(r.outputs))}</div>'
