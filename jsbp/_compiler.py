@@ -77,7 +77,7 @@ class Step:
     boxings: list[Boxing]
     rule: Any = None
     sub: Any = None  # for call-like / control-flow: nested Program(s) and extra data
-    kind: str = "prim"  # prim | call | scan | while | cond | annotate
+    kind: str = "prim"  # prim | call | scan | while | cond | annotate | linear_solve
 
 
 @dataclasses.dataclass
@@ -734,7 +734,27 @@ def _infer_annotate(inf: _Inference, eqn, cur):
     return Step(eqn, [want], [want], [bx] if bx is not None else [], kind="annotate")
 
 
+def _infer_linear_solve(inf: _Inference, eqn, cur):
+    """``custom_linear_solve`` (``jnp.linalg.solve`` / ``inv``): its value is its ``solve`` jaxpr
+    applied to the right-hand side, so that jaxpr is inferred like a call (the LU factors and
+    triangular solves inside keep batch splits) on the operands it reads: its own constants and
+    the right-hand side. Gradients need nothing more: JAX has already written the transposed
+    solves into the traced program as further ``custom_linear_solve`` equations."""
+    lens = eqn.params["const_lengths"]
+    start, n_consts = lens.matvec + lens.vecmat, sum(lens)
+    reads = list(range(start, start + lens.solve)) + list(range(n_consts, len(eqn.invars)))
+    solve = eqn.params["jaxprs"].solve
+    sub = inf.program(solve.jaxpr, solve.consts, [cur[i] for i in reads])
+    return Step(eqn, list(cur), list(sub.out_layouts), [], sub=(sub, reads), kind="linear_solve")
+
+
+def _emit_linear_solve(st, ins):
+    sub, reads = st.sub
+    return run_program(sub, [ins[i] for i in reads])
+
+
 _HIGHER_ORDER = {
+    "custom_linear_solve": _infer_linear_solve,
     "scan": _infer_scan,
     "while": _infer_while,
     "cond": _infer_cond,
@@ -878,7 +898,7 @@ def _emit_cond(st, ins):
 
 
 _EMIT = {
-    "prim": _emit_prim, "call": _emit_call, "annotate": _emit_annotate,
+    "prim": _emit_prim, "call": _emit_call, "annotate": _emit_annotate, "linear_solve": _emit_linear_solve,
     "scan": _emit_scan, "while": _emit_while, "cond": _emit_cond,
 }
 

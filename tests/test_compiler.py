@@ -786,3 +786,19 @@ def test_inference_pauses_the_garbage_collector_and_restores_it():
     finally:
         gc.enable()
         C._search = real
+
+
+def test_effects_run_once_per_device_when_replicated(capfd):
+    """debug_callback has no rule: it runs replicated, so it prints once per device (documented
+    in docs/rules.md), and the value it prints is the logical one."""
+    x = gt(np.arange(8.0, dtype=np.float32), P4, "S(0)")
+
+    def f(a):
+        jax.debug.print("total {s}", s=a.sum())
+        return a * 2
+
+    with pytest.warns(jsbp.NoRuleWarning, match="debug_callback"):
+        y = jsbp.jit(f)(x)
+    np.testing.assert_allclose(y.numpy(), np.arange(8.0) * 2)
+    jax.effects_barrier()
+    assert capfd.readouterr().out.count("total 28.0") == P4.size

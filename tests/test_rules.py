@@ -522,10 +522,6 @@ case("tridiagonal_solve", _LA.tridiagonal_solve, f32(7, 4, dom="unit"), f32(7, 4
      f32(7, 4, dom="unit"), f32(7, 4, 3))
 case("tridiagonal_solve", _LA.tridiagonal_solve, f32(5, dom="unit"), f32(5, dom="gt1"),
      f32(5, dom="unit"), f32(5, 7))
-case("custom_linear_solve", jnp.linalg.solve, f32(4, 4, dom="wellcond"), f32(4, 3),
-     dom={2: "wellcond", 3: "idx:4", 4: "wellcond", 5: "idx:4"})
-case("custom_linear_solve", jnp.linalg.inv, f32(3, 3, dom="wellcond"),
-     dom={2: "wellcond", 3: "idx:3", 4: "wellcond", 5: "idx:3"})
 # fmt: on
 
 

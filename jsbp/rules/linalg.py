@@ -134,14 +134,3 @@ def _linalg(ctx):
 @register_sbp_rule("cholesky_update")
 def _cholesky_update(ctx):
     yield (B, B), (B,)
-
-
-@register_sbp_rule("custom_linear_solve")
-def _custom_linear_solve(ctx):
-    """``jnp.linalg.solve`` / ``inv``: the solve's jaxprs carry their shapes, so everything runs
-    whole (B); the solution is linear in the right-hand side ``b`` (the operands after the
-    ``const_lengths`` constants of the four jaxprs)."""
-    n_in, n_out = len(ctx.in_avals), len(ctx.out_avals)
-    n_consts = sum(ctx.params["const_lengths"])
-    yield (B,) * n_in, (B,) * n_out
-    yield (B,) * n_consts + (P,) * (n_in - n_consts), (P,) * n_out
