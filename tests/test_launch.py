@@ -197,3 +197,129 @@ def test_bad_arguments_are_refused(capsys, args, words):
     assert e.value.code == 2
     out, err = capsys.readouterr()
     assert words in err and "[rank" not in out
+
+
+# -- the watch: ranks that leave early, jobs that make no progress (no JAX) ----------------------
+
+
+def _main(monkeypatch, *args):
+    for k, v in _env().items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    status = jsbp_launch.main([str(a) for a in args])
+    return status, time.monotonic() - t0
+
+
+def test_no_progress_ends_the_job_and_says_where_each_rank_is(tmp_path, capfd, monkeypatch):
+    status, elapsed = _main(monkeypatch, "--nproc-per-node", 2, "--timeout", 2,
+                            WORKERS / "fail_worker.py", "sleep", tmp_path)  # fmt: skip
+    out, err = capfd.readouterr()
+    assert status == jsbp_launch.TIMEOUT_STATUS, err
+    assert elapsed < BOUND_S
+    assert "jsbp.launch: no progress for 2." in err and "(--timeout 2 s)" in err
+    for r in range(2):  # the stack says where: time.sleep at the worker's last line
+        assert re.search(rf"jsbp.launch:   rank {r}: in <module> \(.*fail_worker.py:\d+\)", err), (
+            err
+        )
+        assert "last output" in err and f"'rank {r} started'" in err
+    assert re.search(r"failed: no progress for [\d.]+ s: rank 0 in <module>", err)
+    assert not any(_alive(p) for p in _pids(tmp_path, 2))
+
+
+def test_heartbeats_are_progress(tmp_path, capfd, monkeypatch):
+    # 8 s without a line of output, but heartbeats every 0.2 s: not a hang under --timeout 4
+    status, _ = _main(monkeypatch, "--nproc-per-node", 2, "--timeout", 4,
+                      WORKERS / "fail_worker.py", "quiet", tmp_path)  # fmt: skip
+    out, err = capfd.readouterr()
+    assert status == 0, err
+    assert "no progress" not in err
+
+
+def test_a_rank_that_leaves_early_ends_the_job(tmp_path, capfd, monkeypatch):
+    status, elapsed = _main(monkeypatch, "--nproc-per-node", 2, "--exit-timeout", 1,
+                            WORKERS / "fail_worker.py", "leave", tmp_path)  # fmt: skip
+    out, err = capfd.readouterr()
+    assert status == jsbp_launch.TIMEOUT_STATUS, err
+    assert elapsed < BOUND_S
+    assert (
+        "jsbp.launch: rank 1 finished (exit code 0)" in err and "while rank(s) 0 still run" in err
+    )
+    assert "failed: rank 1 left early: it finished while rank(s) 0 kept running" in err
+    assert re.search(r"jsbp.launch:   rank 0: in <module> \(.*fail_worker.py:\d+\)", err), err
+    assert not _alive(_pids(tmp_path, 2)[0])
+
+
+def test_ranks_finishing_apart_within_the_exit_timeout_are_fine(capfd, monkeypatch):
+    status, _ = _main(monkeypatch, "--nproc-per-node", 3, WORKERS / "echo_env.py")
+    assert status == 0, capfd.readouterr()[1]
+
+
+# -- faults of a real JAX job (issue 19): each ends within seconds, naming the right rank --------
+
+FAULT_TIMEOUT = 10
+"""``--timeout`` of the hang cases (JAX start-up counts as progress: it heartbeats)."""
+FAULT_BOUND_S = 60
+"""Seconds from the fault to the launcher's exit, generously (the watch's own time is 10 s)."""
+
+
+def _fault_run(mode, *opts):
+    env = _env()
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jsbp.launch", "--nproc-per-node", "2", "--devices-per-process",
+           "2", "--grace-period", "2", *map(str, opts), str(WORKERS / "fault_worker.py"), mode]  # fmt: skip
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    end = time.time()
+    faults = [float(m) for m in re.findall(r"\[rank \d\] fault at ([\d.]+)", r.stdout)]
+    assert len(faults) == 2, (r.stdout[-3000:], r.stderr[-3000:])
+    seconds = end - max(faults)
+    print(f"\n{mode}: {seconds:.1f} s from the fault to the launcher's exit")
+    assert seconds < FAULT_BOUND_S, f"{mode}: {seconds:.1f} s"
+    return r, seconds
+
+
+def test_jax_rank_sleeping_before_a_collective_ends_the_job():
+    r, _ = _fault_run("hang", "--timeout", FAULT_TIMEOUT)
+    assert r.returncode == jsbp_launch.TIMEOUT_STATUS, r.stderr[-3000:]
+    err = r.stderr
+    assert "jsbp.launch: no progress for" in err
+    # rank 1 sleeps in the script itself; rank 0 waits in the collective (numpy() of a gather)
+    assert re.search(r"jsbp.launch:   rank 1: in <module> \(.*fault_worker.py:\d+\)", err), err
+    assert re.search(
+        r"jsbp.launch:   rank 0: in numpy \(.*\), called from <module> \(.*fault_worker", err
+    )
+    assert "second collective ok" not in r.stdout
+
+
+def test_jax_ranks_in_different_collectives_end_the_job():
+    r, _ = _fault_run("diverge", "--timeout", FAULT_TIMEOUT)
+    assert r.returncode == jsbp_launch.TIMEOUT_STATUS, r.stderr[-3000:]
+    assert "jsbp.launch: no progress for" in r.stderr
+    lines = {
+        k: re.search(rf"jsbp.launch:   rank {k}: in .*fault_worker.py:(\d+)\)", r.stderr)
+        for k in (0, 1)
+    }
+    assert all(lines.values()), r.stderr
+    assert lines[0].group(1) != lines[1].group(1)  # each in its own collective
+
+
+def test_jax_rank_leaving_early_ends_the_job():
+    r, _ = _fault_run("early_exit", "--exit-timeout", 5, "--timeout", 60)
+    assert r.returncode == jsbp_launch.TIMEOUT_STATUS, r.stderr[-3000:]
+    assert "jsbp.launch: rank 1 finished (exit code 0)" in r.stderr
+    assert "failed: rank 1 left early" in r.stderr
+    # rank 1 waits in JAX's shutdown barrier, rank 0 in the collective rank 1 skipped
+    assert re.search(r"jsbp.launch:   rank 1: in shutdown \(jax/_src/distributed.py", r.stderr)
+    assert re.search(r"jsbp.launch:   rank 0: in numpy", r.stderr)
+
+
+@pytest.mark.parametrize("attempt", [1, 2])
+def test_jax_first_rank_to_fail_is_blamed(attempt):
+    # rank 1 raises while rank 0 waits in a collective; rank 0 then dies of the broken connection
+    r, _ = _fault_run("raise")
+    assert r.returncode == 1, r.stderr[-3000:]
+    err = r.stderr
+    assert "jsbp.launch: failed: rank 1 exited with code 1" in err, err[-3000:]
+    assert "jsbp.launch:   | RuntimeError: rank 1 fails on purpose" in err
+    consequence = re.search(r"jsbp.launch: consequences: rank 0 (exited|failed) with code 1", err)
+    stopped = "stopped by the launcher: rank(s) 0" in err
+    assert consequence or stopped, err[-2000:]

@@ -12,6 +12,8 @@ from ._errors import DistributedError as DistributedError
 from ._gather import allgather_json as allgather_json
 from ._gather import allgather_local_shapes as allgather_local_shapes
 from ._gather import gather_local_meta as gather_local_meta
+from ._heartbeat import activity as activity
+from ._heartbeat import heartbeat as heartbeat
 from ._runtime import barrier as barrier
 from ._runtime import config as config
 from ._runtime import initialize as initialize

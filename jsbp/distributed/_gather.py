@@ -19,6 +19,7 @@ import numpy as np
 
 from .._errors import SbpError
 from ._errors import DistributedError
+from ._heartbeat import activity
 from ._runtime import _jax_distributed_state, _timeout_s, client
 
 __all__ = ["allgather_json", "allgather_local_shapes", "gather_local_meta"]
@@ -55,7 +56,8 @@ def allgather_json(obj, *, tag: str, what: str) -> list:
             continue
         key = f"jsbp/{tag}/{call}/{p}"
         try:
-            raw = c.blocking_key_value_get(key, timeout * 1000)
+            with activity(f"{what}: waiting for process {p} (exchange {tag!r} #{call})"):
+                raw = c.blocking_key_value_get(key, timeout * 1000)
         except Exception as e:  # JAX raises its runtime error type on timeout
             raise DistributedError(
                 f"{what}: process {p} did not take part in call #{call} of this collective step within "

@@ -15,8 +15,16 @@ import jax
 
 from . import _config
 from ._errors import DistributedError
+from ._heartbeat import activity, listen_to_jax
 
-__all__ = ["initialize", "is_initialized", "shutdown", "barrier", "config", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "initialize",
+    "is_initialized",
+    "shutdown",
+    "barrier",
+    "config",
+    "DEFAULT_TIMEOUT_S",
+]
 
 DEFAULT_TIMEOUT_S = 300
 """Seconds to wait for the other processes: at start-up, and in every collective step of jsbp."""
@@ -50,19 +58,36 @@ def config() -> _config.Config:
     return _config.from_environ(os.environ)
 
 
-def _timeout_s() -> int:
-    raw = os.environ.get("JSBP_DISTRIBUTED_TIMEOUT")
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
+def _seconds(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
     try:
-        val = int(raw)
+        val = int(float(raw))
         if val <= 0:
             raise ValueError
     except ValueError:
         raise DistributedError(
-            f"jsbp.distributed: JSBP_DISTRIBUTED_TIMEOUT={raw!r} must be a positive number of seconds."
+            f"jsbp.distributed: {name}={raw!r} must be a positive number of seconds."
         ) from None
     return val
+
+
+def _timeout_s() -> int:
+    return _seconds("JSBP_DISTRIBUTED_TIMEOUT", DEFAULT_TIMEOUT_S)
+
+
+def _runtime_timeouts() -> dict:
+    """JAX's heartbeat and shutdown-barrier timeouts, from ``JSBP_HEARTBEAT_TIMEOUT`` and
+    ``JSBP_SHUTDOWN_TIMEOUT`` (JAX's defaults, 100 s and 300 s, when unset)."""
+    out = {}
+    hb = _seconds("JSBP_HEARTBEAT_TIMEOUT", None)
+    if hb is not None:
+        out["heartbeat_timeout_seconds"] = hb
+    sd = _seconds("JSBP_SHUTDOWN_TIMEOUT", None)
+    if sd is not None:
+        out["shutdown_timeout_seconds"] = sd
+    return out
 
 
 def _set_cpu_devices(k: int) -> None:
@@ -99,6 +124,10 @@ def initialize(
     ``devices_per_process`` (or ``JSBP_DEVICES_PER_PROCESS``) gives each process that many
     simulated CPU devices; CPU collectives across processes use gloo. ``timeout_s`` (or
     ``JSBP_DISTRIBUTED_TIMEOUT``, default 300) bounds the wait for the other processes.
+    ``JSBP_HEARTBEAT_TIMEOUT`` and ``JSBP_SHUTDOWN_TIMEOUT`` (seconds) set JAX's heartbeat
+    timeout (a process silent that long is declared dead and the run fails; default 100) and
+    its shutdown-barrier timeout (how long a finished process waits at exit for the others;
+    default 300). ``python -m jsbp.launch`` sets the latter from ``--exit-timeout``.
 
     Returns the ``Config`` (rank, world size, ...). Calling it again is a no-op. Raises
     ``jsbp.distributed.DistributedError`` (a ``ValueError``) naming the variables when they are
@@ -139,6 +168,16 @@ def initialize(
         )
     if jax.config.jax_cpu_collectives_implementation is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    listen_to_jax()
+    with activity("jsbp.distributed.initialize: joining the other processes"):
+        cfg = _start(cfg, k, timeout)
+    _install_failure_exit()
+    _state["config"] = cfg
+    return cfg
+
+
+def _start(cfg: _config.Config, k: int | None, timeout: int) -> _config.Config:
+    """``jax.distributed.initialize`` with the arguments ``cfg`` gives."""
     if cfg.source == "env":
         local_ids = None
         if (
@@ -164,18 +203,19 @@ def initialize(
             local_device_ids=local_ids,
             cluster_detection_method="deactivate",
             initialization_timeout=timeout,
+            **_runtime_timeouts(),
             # a loopback coordinator listens on loopback only
             coordinator_bind_address=cfg.coordinator_address if host in _LOOPBACK else None,
         )
     else:
         method = cfg.source if cfg.source in ("ompi", "slurm") else None
-        jax.distributed.initialize(cluster_detection_method=method, initialization_timeout=timeout)
+        jax.distributed.initialize(
+            cluster_detection_method=method, initialization_timeout=timeout, **_runtime_timeouts()
+        )
         st = _jax_distributed_state()
         cfg = _config.Config(
             cfg.source, st.process_id, st.num_processes, cfg.local_rank, cfg.local_world_size
         )
-    _install_failure_exit()
-    _state["config"] = cfg
     return cfg
 
 
@@ -234,4 +274,5 @@ def barrier(name: str | None = None, *, timeout_s: int | None = None) -> None:
     _state["barriers"] += 1
     key = f"jsbp/barrier/{_state['barriers']}/{name or ''}"
     timeout = _timeout_s() if timeout_s is None else int(timeout_s)
-    c.wait_at_barrier(key, timeout * 1000)
+    with activity(f"jsbp.distributed.barrier({name!r})" if name else "jsbp.distributed.barrier()"):
+        c.wait_at_barrier(key, timeout * 1000)

@@ -3,8 +3,10 @@
 Rank 1 fails (MODE ``exit``: exit code 3; ``kill``: SIGKILL itself; ``raise``: an uncaught
 exception; ``jax``: exit code 3 after a cross-process collective). Rank 0 never finishes on its
 own: it sleeps (or, for ``jax``, waits in a barrier for rank 1), so only the launcher can stop it.
-``sleep`` mode: every rank sleeps (for the Ctrl-C test). Every rank writes its pid to
-``PIDFILE_DIR/rank<R>.pid`` when given.
+``sleep`` mode: every rank sleeps (for the Ctrl-C and no-progress tests). ``leave`` mode:
+rank 1 exits 0 at once, rank 0 sleeps (a rank that leaves early). ``quiet`` mode: every rank
+works silently for 8 s (after a line saying it imported jsbp), calling ``jsbp.distributed.heartbeat`` (not a hang). Every rank writes its
+pid to ``PIDFILE_DIR/rank<R>.pid`` when given.
 """
 
 from __future__ import annotations
@@ -39,8 +41,19 @@ if mode == "jax":
     print("rank 0 passed a barrier rank 1 never reached", flush=True)
     sys.exit(0)
 
+if mode == "quiet":
+    from jsbp.distributed import heartbeat
+
+    print(f"rank {rank} imported jsbp", flush=True)
+    for i in range(40):
+        heartbeat(f"quiet step {i}")
+        time.sleep(0.2)
+    sys.exit(0)
+
 print(f"rank {rank} started", flush=True)
-if rank == 1 and mode != "sleep":
+if mode == "leave" and rank == 1:
+    sys.exit(0)
+if rank == 1 and mode not in ("sleep", "leave"):
     time.sleep(0.5)
     if mode == "exit":
         sys.exit(3)
