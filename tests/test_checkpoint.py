@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -684,3 +685,177 @@ def test_single_leaf_and_list_trees(tmp_path):
     out = ck.load(lst, None)  # rebuilt: lists for sequence keys
     assert isinstance(out, list) and isinstance(out[1], list) and out[1][1] == 3
     _check(out[1][0], v, _plc("(4,)"), ("S(0)",))
+
+
+# -------------------------------------------------------------------------------------------
+# concurrent saves of one path: one wins, the other is told; the previous checkpoint survives
+# -------------------------------------------------------------------------------------------
+
+HELD = r"another save holds .*ckpt"
+
+
+def _debris(d) -> list[str]:
+    return sorted(n for n in os.listdir(d) if ".jsbp-" in n)
+
+
+def test_concurrent_saves_in_threads_one_wins(tmp_path, monkeypatch):
+    import threading
+
+    from jsbp.checkpoint import _backend
+
+    kw = _worker_module("ckpt_kill_worker")
+    trees = {s: kw.build(jsbp, s) for s in (1, 2)}
+    write = _backend.write
+
+    def slow_write(*a, **k):  # the winner holds the path for a while
+        time.sleep(1.0)
+        return write(*a, **k)
+
+    monkeypatch.setattr(_backend, "write", slow_write)
+    path = tmp_path / "ckpt"
+    go, results = threading.Barrier(2), {}
+
+    def run(seed):
+        go.wait()
+        try:
+            ck.save(path, trees[seed])
+            results[seed] = "ok"
+        except Exception as e:  # noqa: BLE001 - the test looks at what it is
+            results[seed] = e
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    winners = [s for s, r in results.items() if r == "ok"]
+    assert len(winners) == 1, results
+    (loser,) = {1, 2} - set(winners)
+    assert isinstance(results[loser], CheckpointError), results[loser]
+    assert re.search(HELD, str(results[loser])), results[loser]
+    target = _target_of(kw, "(4,)", lambda ndim: "S(0)")
+    _check_values(ck.load(path, target), kw.tree_values(winners[0]), target)
+    assert _debris(tmp_path) == []
+
+
+@pytest.mark.parametrize("point", ["locked", "before_commit", "between_renames"])
+def test_overwrite_in_progress_blocks_other_saves_and_keeps_previous_loadable(
+    tmp_path, monkeypatch, point
+):
+    """Stop an ``overwrite=True`` save (a thread) at each point of its sequence; there, a second
+    save of the path fails with a clear error, and the path loads the previous checkpoint."""
+    import threading
+
+    from jsbp.checkpoint import _save
+
+    kw = _worker_module("ckpt_kill_worker")
+    path = tmp_path / "ckpt"
+    ck.save(path, kw.build(jsbp, 1))
+    new, third = kw.build(jsbp, 2), kw.build(jsbp, 3)
+    reached, resume = threading.Event(), threading.Event()
+
+    def pause(p):
+        if p == point:
+            reached.set()
+            assert resume.wait(120)
+
+    monkeypatch.setattr(_save, "_pause_point", pause)
+    errors = []
+
+    def overwrite():
+        try:
+            ck.save(path, new, overwrite=True)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=overwrite)
+    t.start()
+    try:
+        assert reached.wait(120), errors
+        for kwargs in ({"overwrite": True}, {}):
+            with pytest.raises(CheckpointError) as e:
+                ck.save(path, third, **kwargs)
+            if kwargs:
+                assert re.search(HELD, str(e.value)) and "wrote nothing" in str(e.value)
+        target = _target_of(kw, "(2,2)", lambda ndim: ("S(0)", "B"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)  # between the renames: .jsbp-old
+            _check_values(ck.load(path, target), kw.tree_values(1), target)
+    finally:
+        resume.set()
+        t.join(120)
+    assert not errors, errors
+    _check_values(ck.load(path, target), kw.tree_values(2), target)
+    assert _debris(tmp_path) == []
+
+
+def _save_in_process(tmp_path, seed, path, pause=None):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("JSBP_CHECKPOINT_TEST_PAUSE", None)
+    if pause:
+        env["JSBP_CHECKPOINT_TEST_PAUSE"] = pause
+    return subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(WORKERS, "ckpt_kill_worker.py"),
+            "overwrite",
+            str(path),
+            str(seed),
+        ],  # fmt: skip
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_save_process_killed_while_another_saves(tmp_path):
+    kw = _worker_module("ckpt_kill_worker")
+    path = tmp_path / "ckpt"
+    ck.save(path, kw.build(jsbp, 1))
+    target = _target_of(kw, "(4,)", lambda ndim: "S(0)")
+    sentinel = tmp_path / "paused"
+    a = _save_in_process(tmp_path, 2, path, f"before_commit:{sentinel}")
+    try:
+        deadline = time.monotonic() + 300
+        while not sentinel.exists():  # A holds the lock, its data written, no commit yet
+            assert a.poll() is None, a.communicate()[0]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        b = _save_in_process(tmp_path, 3, path)
+        out = b.communicate(timeout=300)[0]
+        assert b.returncode != 0 and re.search(r"CheckpointError: save: " + HELD, out), out[-3000:]
+        _check_values(ck.load(path, target), kw.tree_values(1), target)
+        a.kill()  # killed mid-save: its lock file stays, its flock goes
+        a.wait(60)
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait()
+    assert (tmp_path / "ckpt.jsbp-lock").exists()
+    _check_values(ck.load(path, target), kw.tree_values(1), target)
+    c = _save_in_process(tmp_path, 3, path)
+    out = c.communicate(timeout=300)[0]
+    assert c.returncode == 0, out[-3000:]
+    _check_values(ck.load(path, target), kw.tree_values(3), target)
+    assert _debris(tmp_path) == [] or _debris(tmp_path) == ["paused"]
+
+
+def test_two_processes_save_one_path_at_once(tmp_path):
+    kw = _worker_module("ckpt_kill_worker")
+    path = tmp_path / "ckpt"
+    ck.save(path, kw.build(jsbp, 1))
+    # each holds the lock 2 s before writing, so the saves overlap despite start-up skew
+    procs = {s: _save_in_process(tmp_path, s, path, f"locked:{tmp_path / 'x'}:2") for s in (2, 3)}
+    outs = {s: p.communicate(timeout=300)[0] for s, p in procs.items()}
+    ok = [s for s, p in procs.items() if p.returncode == 0]
+    assert ok, outs
+    for s, p in procs.items():
+        if p.returncode != 0:
+            assert re.search(r"CheckpointError: save: " + HELD, outs[s]), outs[s][-3000:]
+            assert "Traceback" in outs[s] and "OSError" not in outs[s]
+    target = _target_of(kw, "(4,)", lambda ndim: "S(0)")
+    out = ck.load(path, target)
+    assert out["step"] in ok
+    _check_values(out, kw.tree_values(out["step"]), target)
+    assert _debris(tmp_path) == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from .._placement import placement as Placement
 from .._tensor import GlobalTensor, zeros
 from . import _backend, _manifest
 from ._errors import CheckpointError, warn
+from ._lock import LOCK_SUFFIX
 from ._spec import TensorSpec
 from ._storage import describe_placement_json, placement_from_json, storage_layout
 
@@ -194,10 +196,12 @@ def _plan_from_rule(root: str, e: dict, rule: Rule | None) -> _Plan:
     return _plan_for_target(root, e, TensorSpec(shape, _dtype(e["dtype"]), plc, sbp))
 
 
-def _resolve(root: str) -> str:
+def _resolve(root: str, *, quiet: bool = False) -> str:
     """``root``, or its ``.jsbp-old`` twin if an overwrite was killed between its renames."""
     old = root + _manifest.OLD_SUFFIX
     if not os.path.isdir(root) and os.path.isdir(old):
+        if quiet:
+            return old
         warn(
             f"{root} is missing but {old} holds the checkpoint an interrupted save(overwrite=True) "
             "was replacing; loading that one (the next save to this path puts it back in place)."
@@ -231,8 +235,46 @@ def load(path, target=None, *, strict: bool = True, verify: bool = True):
     ``CheckpointError`` naming the path. With ``verify`` (the default) every data file is checked
     against the SHA-256 in the commit record before anything is read; ``verify=False`` checks
     only that the files exist with the right sizes.
+
+    A load that runs while another save replaces the checkpoint (in a single process) reads the
+    one that is complete at that moment, the previous or the new, retrying if the files it was
+    reading are moved away.
     """
-    root = _resolve(os.path.abspath(os.fspath(path)))
+    asked = os.path.abspath(os.fspath(path))
+    for attempt in range(_ATTEMPTS):
+        root = _resolve(asked)
+        try:
+            return _load_from(root, target, strict, verify)
+        except (CheckpointError, OSError) as e:
+            # a save replacing this checkpoint while we read it: read the new one
+            if (
+                attempt + 1 < _ATTEMPTS
+                and jax.process_count() == 1
+                and _being_replaced(asked, root)
+            ):
+                time.sleep(0.05 * (attempt + 1))
+                continue
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(
+                f"load: reading checkpoint {root} failed: {type(e).__name__}: {e}"
+            ) from e
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+_ATTEMPTS = 4
+
+
+def _being_replaced(asked: str, root: str) -> bool:
+    """A save holds ``asked`` or moved its checkpoint since we resolved ``root``."""
+    return (
+        os.path.exists(asked + LOCK_SUFFIX)
+        or not os.path.isdir(root)
+        or _resolve(asked, quiet=True) != root
+    )
+
+
+def _load_from(root: str, target, strict: bool, verify: bool):
     body = _manifest.read(root)
     _manifest.verify_files(root, body, checksums=verify)
     leaves = body["leaves"]

@@ -2,6 +2,8 @@
 
 The sequence (all processes call ``save`` with the same tree)::
 
+    <path>.jsbp-lock                process 0 takes the save lock (see ``_lock``): a second
+                                    save of the same path raises CheckpointError at once
     <path>.jsbp-partial/            created empty by process 0
     <path>.jsbp-partial/state/      orbax writes the data; every process its own shards
     <path>.jsbp-partial/jsbp_manifest.json
@@ -12,7 +14,8 @@ A save killed at any point before the last rename leaves ``<path>`` as it was (t
 checkpoint, or nothing) and a ``.jsbp-partial`` directory without a commit record, which
 ``load`` refuses with a clear message. With ``overwrite=True`` the old checkpoint is first moved
 to ``<path>.jsbp-old`` and deleted only after the new one is in place; a save killed between the
-two renames is repaired by the next ``save`` or ``load`` of that path.
+two renames is repaired by the next ``save`` or ``load`` of that path. The lock is released
+after the last rename; a lock left by a killed save is taken over by the next one.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from jax.tree_util import keystr, tree_flatten_with_path
 
 from .. import _sbp
 from .._tensor import GlobalTensor
-from . import _backend, _manifest, _sync
+from . import _backend, _lock, _manifest, _sync
 from ._errors import CheckpointError
 from ._storage import placement_to_json, storage_layout
 
@@ -35,8 +38,10 @@ __all__ = ["save"]
 
 PAUSE_ENV = "JSBP_CHECKPOINT_TEST_PAUSE"
 """Test hook: ``<point>:<sentinel file>``. When set, ``save`` touches the sentinel file at
-``<point>`` (``before_commit``: data written, no commit record yet; ``between_renames``: an
-``overwrite=True`` save has moved the old checkpoint aside) and then sleeps until it is killed.
+``<point>`` (``locked``: the save lock is taken, nothing written yet; ``before_commit``: data
+written, no commit record yet; ``between_renames``: an ``overwrite=True`` save has moved the old
+checkpoint aside) and then sleeps until it is killed (``<point>:<sentinel>:<seconds>``: sleeps that
+long and goes on).
 Used by the tests that kill a save half way; never set it otherwise."""
 
 
@@ -44,8 +49,12 @@ def _pause_point(point: str) -> None:
     spec = os.environ.get(PAUSE_ENV, "")
     if not spec or spec.split(":", 1)[0] != point:
         return
-    with open(spec.split(":", 1)[1], "w") as f:
+    _, sentinel, *seconds = spec.split(":")
+    with open(sentinel, "w") as f:
         f.write(str(os.getpid()))
+    if seconds:  # ``<point>:<sentinel>:<seconds>``: hold on that long, then go on
+        time.sleep(float(seconds[0]))
+        return
     while True:  # pragma: no cover - the test kills us here
         time.sleep(1)
 
@@ -120,8 +129,9 @@ def save(path, tree, *, overwrite: bool = False) -> str:
     each process writes only the shards its devices own. The save is atomic (see the module doc):
     ``path`` only ever holds a complete checkpoint. Returns the absolute path.
 
-    Raises ``CheckpointError`` if ``path`` exists and ``overwrite`` is false, or for a leaf that
-    cannot be saved (named by its path in the tree).
+    Raises ``CheckpointError`` if ``path`` exists and ``overwrite`` is false, if another save of
+    ``path`` is running (one save of a path at a time; the other one's checkpoint, or the previous
+    one, stays in place), or for a leaf that cannot be saved (named by its path in the tree).
     """
     root = os.path.abspath(os.fspath(path))
     tmp, old = root + _manifest.PARTIAL_SUFFIX, root + _manifest.OLD_SUFFIX
@@ -140,12 +150,47 @@ def save(path, tree, *, overwrite: bool = False) -> str:
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"save: {root} exists and is not a directory.")
 
+    lock = _start(root, tmp, overwrite)
+    try:
+        _write(root, tmp, old, entries, arrays)
+    finally:
+        if lock is not None:
+            _lock.release(root, lock)
+    return root
+
+
+def _start(root: str, tmp: str, overwrite: bool) -> int | None:
+    """Process 0 takes the save lock of ``root`` and prepares ``tmp``; every process learns
+    whether that worked (and raises the same ``CheckpointError`` if not). Returns the lock (on
+    process 0)."""
+    lock, error = None, None
     if _sync.is_primary():
-        _recover(root)
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)  # left by an earlier interrupted save of this path
-        os.makedirs(tmp)
-    _sync.barrier(f"start {root}")
+        try:
+            lock = _lock.acquire(root)
+            if not overwrite and os.path.isdir(root):  # saved by another save meanwhile
+                raise CheckpointError(
+                    f"save: a checkpoint already exists at {root}; pass overwrite=True to replace "
+                    "it (or save to a new path, e.g. with jsbp.checkpoint.save_step)."
+                )
+            _recover(root)
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp)  # left by an earlier interrupted save of this path
+            os.makedirs(tmp)
+            _pause_point("locked")
+        except CheckpointError as e:
+            error = str(e)
+        except OSError as e:
+            error = f"save: preparing {tmp} failed: {type(e).__name__}: {e}"
+        if error is not None and lock is not None:
+            _lock.release(root, lock)
+            lock = None
+    error = _sync.from_primary(error, f"start {root}")
+    if error is not None:
+        raise CheckpointError(error)
+    return lock
+
+
+def _write(root: str, tmp: str, old: str, entries: list, arrays: dict) -> None:
     if arrays:
         _backend.write(os.path.join(tmp, _backend.STATE), arrays)
     _sync.barrier(f"data {root}")
@@ -172,7 +217,6 @@ def save(path, tree, *, overwrite: bool = False) -> str:
             os.rename(tmp, root)
             _manifest._fsync_dir(os.path.dirname(root))
     _sync.barrier(f"commit {root}")
-    return root
 
 
 def _recover(root: str) -> None:

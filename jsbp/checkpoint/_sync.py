@@ -17,3 +17,12 @@ def barrier(name: str) -> None:
         from .. import distributed
 
         distributed.barrier(f"jsbp.checkpoint:{name}")
+
+
+def from_primary(value, name: str):
+    """Process 0's ``value`` (JSON-serialisable) on every process; a barrier too."""
+    if jax.process_count() == 1:
+        return value
+    from ..distributed import allgather_json
+
+    return allgather_json(value, tag="jsbp.checkpoint", what=f"jsbp.checkpoint:{name}")[0]
