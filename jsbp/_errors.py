@@ -1,4 +1,5 @@
-"""The two error types of jsbp. Both are ``ValueError`` so ``except ValueError`` keeps working."""
+"""The error types of jsbp: ``SbpError`` (a ``ValueError``, so ``except ValueError`` keeps working)
+and its kind ``PlacementError``; the ``NoRuleWarning`` of a primitive that ran replicated."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ class SbpError(ValueError):
     """
 
 
-class PlacementError(ValueError):
+class PlacementError(SbpError):
     """A bad placement: unknown or duplicate devices, ragged ranks, wrong axis names, or two
-    placements mixed in one op."""
+    placements mixed in one op. A kind of ``SbpError`` (so ``except jsbp.SbpError`` catches every
+    jsbp error) and so a ``ValueError`` too."""
 
 
 class NoRuleWarning(UserWarning):

@@ -166,3 +166,28 @@ def test_fused_gradient_reductions_match_the_plan():
 
     f = jsbp.jit(step, out_sbp="B")
     assert count_collectives(f, params, x) == jsbp.explain(f, params, x).collectives() == _with(all_reduce=5)
+
+
+def test_count_collectives_compiles_a_plain_function_like_explain():
+    """jnp calls on global tensors only trace under jsbp.jit: count_collectives compiles a plain
+    function that way, so it always agrees with explain (issue 19 item 6)."""
+    import jax.numpy as jnp
+
+    plc = jsbp.placement("cpu", [0, 1, 2, 3])
+    x = jsbp.tensor(np.arange(32.0, dtype=np.float32).reshape(8, 4), placement=plc, sbp="S(0)")
+    w = jsbp.tensor(np.ones((4, 4), np.float32), placement=plc, sbp="S(1)")
+    f = lambda a, b: jnp.tanh(a @ b).sum()
+    counts = jsbp.debug.count_collectives(f, x, w)
+    assert counts == jsbp.explain(f, x, w).collectives()
+    assert sum(counts.values()) >= 1
+    # the eager API still compiles with jax.jit
+    assert jsbp.debug.count_collectives(lambda a: a.to_global(sbp="B"), x)["all-gather"] == 1
+
+
+def test_placement_error_is_an_sbp_error():
+    assert issubclass(jsbp.PlacementError, jsbp.SbpError)
+    assert issubclass(jsbp.PlacementError, ValueError)
+    a = jsbp.tensor(np.ones(4, np.float32), placement=jsbp.placement("cpu", [0, 1]), sbp="B")
+    b = jsbp.tensor(np.ones(4, np.float32), placement=jsbp.placement("cpu", [2, 3]), sbp="B")
+    with pytest.raises(jsbp.SbpError, match="placement"):
+        a + b

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -59,13 +60,28 @@ def _n_operands(text: str, start: int) -> int:
 def count_collectives(fn, *args, **kwargs) -> dict[str, int]:
     """Compile ``fn(*args, **kwargs)`` and count the collectives in the compiled program.
 
-    ``fn`` is any function of global tensors (and other pytrees), e.g.
-    ``lambda x: x.to_global(sbp="B")``. The function is traced with ``jax.jit`` (a ``jsbp.jit``
-    function is used as is) and compiled for the arguments' devices; nothing is executed.
+    ``fn`` is any function of global tensors (and other pytrees). A plain function is compiled
+    the way ``jsbp.explain`` compiles it, with ``jsbp.jit`` (so ``jnp`` calls on global tensors
+    work and the two always agree); one written with the eager API instead
+    (``lambda x: x.to_global(sbp="B")``, which ``jsbp.jit`` cannot trace) is compiled with
+    ``jax.jit``. A ``jsbp.jit`` function (or anything with ``lower``) is used as is. Nothing is
+    executed.
 
     >>> count_collectives(lambda x: x.to_global(sbp="B"), x)  # doctest: +SKIP
     {'all-gather': 1, 'all-reduce': 0, 'reduce-scatter': 0, 'all-to-all': 0, 'collective-permute': 0}
     """
     lower = getattr(fn, "lower", None)
-    lowered = lower(*args, **kwargs) if lower is not None else jax.jit(fn).lower(*args, **kwargs)
+    if lower is not None:
+        lowered = lower(*args, **kwargs)
+    else:
+        from .._jit import jit
+
+        bound = functools.partial(fn, **kwargs) if kwargs else fn
+        try:
+            lowered = jit(bound).lower(*args)
+        except Exception as consistent:  # eager-API code (GlobalTensor methods), or no global tensor
+            try:
+                lowered = jax.jit(fn).lower(*args, **kwargs)
+            except Exception:
+                raise consistent from None
     return collectives_in_hlo(lowered.compile().as_text())
