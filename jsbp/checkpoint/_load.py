@@ -23,6 +23,7 @@ from jax.tree_util import keystr, tree_flatten_with_path
 from .._layout import Layout, layout_of, normalise_nd
 from .._placement import placement as Placement
 from .._tensor import GlobalTensor, zeros
+from ..distributed._heartbeat import activity
 from . import _backend, _manifest
 from ._errors import CheckpointError, warn
 from ._lock import LOCK_SUFFIX
@@ -241,6 +242,11 @@ def load(path, target=None, *, strict: bool = True, verify: bool = True):
     reading are moved away.
     """
     asked = os.path.abspath(os.fspath(path))
+    with activity(f"jsbp.checkpoint.load({asked!r})"):
+        return _load_retrying(asked, target, strict, verify)
+
+
+def _load_retrying(asked: str, target, strict: bool, verify: bool):
     for attempt in range(_ATTEMPTS):
         root = _resolve(asked)
         try:

@@ -30,6 +30,7 @@ from jax.tree_util import keystr, tree_flatten_with_path
 
 from .. import _sbp
 from .._tensor import GlobalTensor
+from ..distributed._heartbeat import activity
 from . import _backend, _lock, _manifest, _sync
 from ._errors import CheckpointError
 from ._storage import placement_to_json, storage_layout
@@ -150,12 +151,13 @@ def save(path, tree, *, overwrite: bool = False) -> str:
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"save: {root} exists and is not a directory.")
 
-    lock = _start(root, tmp, overwrite)
-    try:
-        _write(root, tmp, old, entries, arrays)
-    finally:
-        if lock is not None:
-            _lock.release(root, lock)
+    with activity(f"jsbp.checkpoint.save({root!r})"):
+        lock = _start(root, tmp, overwrite)
+        try:
+            _write(root, tmp, old, entries, arrays)
+        finally:
+            if lock is not None:
+                _lock.release(root, lock)
     return root
 
 
