@@ -34,6 +34,36 @@ from .rules import register_sbp_rule as register_sbp_rule
 
 __version__ = "0.1.0"
 
+
+def _register_outer_packages():
+    """Plug the outer packages into the core's registration points (``jsbp._hooks``): the core
+    never imports them (``tests/test_layering.py``). ``jsbp.viz`` stays lazy: its renderers are
+    imported the first time a ``_repr_html_`` runs."""
+    from . import _hooks
+    from .distributed import _transfer
+
+    def viz(name):
+        def render(obj):
+            from . import viz as _viz
+
+            return getattr(_viz, name)(obj)
+
+        return render
+
+    _hooks.html_renderers.setdefault("tensor", viz("tensor_html"))
+    _hooks.html_renderers.setdefault("placement", viz("placement_html"))
+    _hooks.html_renderers.setdefault("plan", viz("plan_html"))
+    _hooks.multiprocess.update(
+        spans_all_processes=_transfer.spans_all_processes,
+        one_device_per_process=_transfer.one_device_per_process,
+        send_blocks=_transfer.send_blocks,
+        nearest_sources=_transfer.nearest_sources,
+        gather_local_meta=distributed.gather_local_meta,
+    )
+
+
+_register_outer_packages()
+
 _LAZY = ("viz", "checkpoint", "flax", "pipeline", "launch")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import _sbp
+from . import _hooks, _sbp
 from ._compiler import iter_steps, subprograms
 from .debug._collectives import COLLECTIVES
 
@@ -120,13 +120,7 @@ class Plan:
         return "\n".join(lines)
 
     def _repr_html_(self):
-        try:
-            from .viz import plan_html
-        except ImportError:  # viz not available: a plain preformatted table
-            import html
-
-            return f"<pre>{html.escape(str(self))}</pre>"
-        return plan_html(self)
+        return _hooks.render_html("plan", self)  # a plain preformatted table without jsbp.viz
 
 
 def plan_of_program(prog, placement) -> Plan:

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from . import _hooks
 from ._errors import PlacementError
 
 __all__ = ["placement"]
@@ -38,6 +39,11 @@ def _ranks_array(ranks) -> np.ndarray:
         ranks = list(ranks)
     if isinstance(ranks, (int, np.integer)) and not isinstance(ranks, bool):
         ranks = [ranks]
+    if isinstance(ranks, (str, bytes)):
+        raise PlacementError(
+            f"ranks {ranks!r} is a {type(ranks).__name__}; give JAX device ids as ints, e.g. [0, 1] "
+            "or [[0, 1], [2, 3]]."
+        )
     try:
         arr = np.array(ranks, dtype=object)
     except ValueError:
@@ -56,6 +62,11 @@ def _ranks_array(ranks) -> np.ndarray:
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise PlacementError(
                 f"ranks must be integer JAX device ids; got {v!r} ({type(v).__name__}) in {ranks!r}."
+            )
+        if not 0 <= int(v) < 2**62:
+            raise PlacementError(
+                f"ranks must be JAX device ids; {v!r} in {ranks!r} is none (ids are >= 0; devices: "
+                f"{_backends()})."
             )
         out[idx] = int(v)
     return out
@@ -162,8 +173,24 @@ class placement:  # noqa: N801 - lower-case like OneFlow's flow.placement
         return self._mesh
 
     def axis_size(self, axis: int | str) -> int:
-        i = self._axis_names.index(axis) if isinstance(axis, str) else axis
-        return self.hierarchy[i]
+        if isinstance(axis, str):
+            if axis not in self._axis_names:
+                raise PlacementError(
+                    f"axis_size: {self} has no axis named {axis!r}; its axes are {list(self._axis_names)}."
+                )
+            return self.hierarchy[self._axis_names.index(axis)]
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise PlacementError(
+                f"axis_size: give an axis name {list(self._axis_names)} or index 0..{self.ndim - 1} of "
+                f"{self}; got {axis!r} ({type(axis).__name__})."
+            )
+        if not -self.ndim <= axis < self.ndim:
+            raise PlacementError(
+                f"axis_size: axis {axis} is out of range for {self}, which has {self.ndim} "
+                f"ax{'is' if self.ndim == 1 else 'es'}; give 0..{self.ndim - 1} or a name in "
+                f"{list(self._axis_names)}."
+            )
+        return self.hierarchy[axis]
 
     def __eq__(self, other):
         if self is other:
@@ -193,9 +220,7 @@ class placement:  # noqa: N801 - lower-case like OneFlow's flow.placement
         return (placement, (self._type, self._ranks.tolist(), self._axis_names))
 
     def _repr_html_(self):
-        from .viz import placement_html
-
-        return placement_html(self)
+        return _hooks.render_html("placement", self)
 
 
 def _backends() -> str:

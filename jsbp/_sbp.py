@@ -171,6 +171,8 @@ def parse(value: SbpLike) -> Sbp:
         if m:
             return Split(int(m.group(1)))
         raise SbpError(f"cannot read {s!r} as an SBP; valid forms are {_VALID}.")
+    if isinstance(value, (bytes, bytearray)):
+        raise SbpError(f"cannot read {value!r} (bytes) as an SBP; give a str such as 'B' or 'S(0)', not bytes.")
     raise SbpError(f"cannot read {value!r} ({type(value).__name__}) as an SBP; valid forms are {_VALID}.")
 
 
@@ -211,6 +213,8 @@ def parse_nd(value, ndim: int | None = None) -> tuple[Sbp, ...]:
             items = (parse(s),)
     elif isinstance(value, Sbp):
         items = (value,)
+    elif isinstance(value, (bytes, bytearray)):
+        items = (parse(value),)  # an SbpError: bytes are no sequence of SBPs
     elif isinstance(value, Sequence):
         items = tuple(parse(v) for v in value)
     else:

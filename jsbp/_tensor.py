@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _sbp, _trace
+from . import _hooks, _sbp, _trace
 from ._boxing import make_local_boxer
 from ._errors import PlacementError, SbpError
+from ._interop import meshless
 from ._layout import Layout, balanced, layout_of, normalise_nd, offsets
 from ._placement import placement as Placement
 
@@ -109,9 +110,7 @@ class GlobalTensor:
         return f"GlobalTensor(shape={lay.shape}, dtype={dt}, placement={lay.placement!r}, sbp={_sbp.nd_str(lay.nd_sbp)})"
 
     def _repr_html_(self):
-        from .viz import tensor_html
-
-        return tensor_html(self)
+        return _hooks.render_html("tensor", self)
 
     # -- conversions ----------------------------------------------------------------------------
     def to_global(self, placement: Placement | None = None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
@@ -163,8 +162,8 @@ class GlobalTensor:
             return np.zeros(lay.shape, self.dtype)
         if jax.process_count() == 1:
             return lay.decode(np.asarray(self._value))
-        from .distributed._transfer import one_device_per_process, spans_all_processes
-
+        spans_all_processes = _hooks.multiprocess_fn("spans_all_processes")
+        one_device_per_process = _hooks.multiprocess_fn("one_device_per_process")
         # several processes: collective, decided on global facts so every process takes one path
         if spans_all_processes(lay.placement.devices.flat):
             full = self.to_global(sbp=tuple(_sbp.broadcast for _ in lay.nd_sbp))
@@ -174,8 +173,16 @@ class GlobalTensor:
         return np.asarray(shard.data)[tuple(slice(0, n) for n in lay.shape)]
 
     def to_jax(self) -> jax.Array:
-        """The logical value as an (unpadded) ``jax.Array``; differentiable, works under jit."""
-        return decode(self._value, self._layout)
+        """The logical value as a ``jax.Array`` with the equivalent ``NamedSharding``
+        (``jsbp.named_sharding``): no copy for even S / B layouts, ``P`` as an ``unreduced`` spec;
+        an uneven layout raises (JAX cannot hold uneven blocks). Under a JAX transformation
+        (jax.jit / jax.grad) it is the plain logical value (differentiable, padding removed,
+        partials reduced)."""
+        if isinstance(self._value, jax.core.Tracer):
+            return decode(self._value, self._layout)
+        from ._interop import to_jax_array
+
+        return to_jax_array(self)
 
     def __array__(self, dtype=None, copy=None):
         out = self.numpy()
@@ -339,7 +346,7 @@ decode.defvjp(_decode_fwd, _decode_bwd)
 
 @functools.lru_cache(maxsize=1024)
 def _encode_jit(lay: Layout):
-    return jax.jit(lambda v: _encode_raw(v, lay), out_shardings=lay.sharding)
+    return meshless(jax.jit(lambda v: _encode_raw(v, lay), out_shardings=lay.sharding))
 
 
 # -------------------------------------------------------------------------------------------
@@ -353,7 +360,7 @@ def _same_placement_boxer(src: Layout, dst: Layout, dtype):
     fn = jax.shard_map(
         body, mesh=src.placement.mesh, in_specs=(src.spec,), out_specs=dst.spec, check_vma=False
     )
-    return jax.jit(fn), moves
+    return meshless(jax.jit(fn)), moves
 
 
 def _empty(lay: Layout, dtype):
@@ -392,8 +399,7 @@ def _cross_placement(phys, src: Layout, dst: Layout):
         # same grid shape: move blocks device-to-device, keeping the layout, then box on dst
         mid = layout_of(dp, src.nd_sbp, src.shape)
         if multi and set(sp.devices.flat) != set(dp.devices.flat):
-            from .distributed._transfer import send_blocks
-
+            send_blocks = _hooks.multiprocess_fn("send_blocks")
             moved = send_blocks(phys, list(sp.devices.flat), mid.sharding, mid.physical_shape)
             return _box_raw(moved, mid, dst)
         return _box_raw(jax.device_put(phys, mid.sharding), mid, dst)
@@ -402,8 +408,8 @@ def _cross_placement(phys, src: Layout, dst: Layout):
     full = _box_raw(phys, src, layout_of(sp, allb, src.shape))
     dst_b = layout_of(dp, tuple(_sbp.broadcast for _ in range(dp.ndim)), src.shape)
     if multi:
-        from .distributed._transfer import nearest_sources, send_blocks
-
+        send_blocks = _hooks.multiprocess_fn("send_blocks")
+        nearest_sources = _hooks.multiprocess_fn("nearest_sources")
         moved = send_blocks(full, nearest_sources(sp, dp), dst_b.sharding, dst_b.physical_shape)
         return _box_raw(moved, dst_b, dst)
     local = full.addressable_shards[0].data
@@ -640,6 +646,9 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
         out = data.to_global(placement, sbp)
         return out if dtype is None else out.astype(dtype)
     if isinstance(data, jax.Array) and not isinstance(data, jax.core.Tracer):
+        if isinstance(data.sharding, jax.sharding.NamedSharding) and (
+                placement is None or data.sharding.spec.unreduced):
+            return _from_named(data, placement, sbp, dtype)
         arr = data
     elif isinstance(data, jax.core.Tracer):
         arr = data
@@ -668,12 +677,27 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
     return _from_logical(arr, lay)
 
 
+def _from_named(arr: jax.Array, placement, sbp, dtype) -> GlobalTensor:
+    """``jsbp.tensor(arr)`` of a ``jax.Array`` with a ``NamedSharding``: placement and nd-sbp read
+    from the sharding (``unreduced`` is P), built from its shards on the devices (the same buffers
+    for even S / B); then boxed to ``placement`` / ``sbp`` where given."""
+    from ._interop import layout_of_array, physical_from_array
+
+    lay, _ = layout_of_array(arr)
+    if lay.is_even or lay.partial_axes:
+        out = GlobalTensor(physical_from_array(arr, lay), lay)
+    else:  # JAX's own uneven blocks are not jsbp's balanced ones: re-cut on the devices
+        out = _from_logical(arr, lay)
+    out = out if placement is None and sbp is None else out.to_global(placement, sbp)
+    return out if dtype is None else out.astype(dtype)
+
+
 @functools.lru_cache(maxsize=1024)
 def _filled(lay: Layout, dtype, fill):
     def make():
         return _encode_raw(jnp.full(lay.shape, fill, dtype), lay)
 
-    return jax.jit(make, out_shardings=lay.sharding)
+    return meshless(jax.jit(make, out_shardings=lay.sharding))
 
 
 def full(shape, value, placement=None, sbp=None, *, dtype=None) -> GlobalTensor:
@@ -715,7 +739,7 @@ def _random(lay: Layout, kind: str, dtype):
         fn = jax.random.normal if kind == "normal" else jax.random.uniform
         return _encode_raw(fn(key, lay.shape, dtype), lay)
 
-    return jax.jit(make, out_shardings=lay.sharding)
+    return meshless(jax.jit(make, out_shardings=lay.sharding))
 
 
 def _random_tensor(kind, shape, key, placement, sbp, dtype, op):
@@ -762,6 +786,11 @@ def from_local(locals_: Sequence, placement: Placement = None, sbp=None) -> Glob
     devices = list(placement.devices.reshape(-1))
     coords = list(np.ndindex(*placement.hierarchy))
     local_idx = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    if isinstance(locals_, (str, bytes)) or not isinstance(locals_, (Sequence, np.ndarray, jax.Array)):
+        raise SbpError(
+            f"from_local: locals must be a list of arrays, one per device of {placement} this process "
+            f"owns; got {type(locals_).__name__} {locals_!r:.60}."
+        )
     locals_ = list(locals_)
     if len(locals_) != len(local_idx):
         raise SbpError(
@@ -769,6 +798,12 @@ def from_local(locals_: Sequence, placement: Placement = None, sbp=None) -> Glob
             f"device(s) of {placement}; give one array per owned device, in placement order."
         )
     arrs = [np.asarray(a) if not isinstance(a, jax.Array) else a for a in locals_]
+    for a, raw in zip(arrs, locals_):
+        if a.dtype.kind not in "biufc":  # strings, objects, None
+            raise SbpError(
+                f"from_local: local {raw!r:.60} ({type(raw).__name__}) is not a numeric array; give "
+                f"one numpy / jax array (or nested list of numbers) per owned device of {placement}."
+            )
     shapes = {local_idx[i]: tuple(np.shape(a)) for i, a in enumerate(arrs)}
     dtypes = {np.dtype(a.dtype) for a in arrs}
     if len(dtypes) > 1:
@@ -779,8 +814,7 @@ def from_local(locals_: Sequence, placement: Placement = None, sbp=None) -> Glob
     if jax.process_count() > 1:
         # collective on every process (even one owning no device of the placement, which learns
         # the shapes and dtype here): the others' local shapes come over JAX's key-value store
-        from .distributed import gather_local_meta
-
+        gather_local_meta = _hooks.multiprocess_fn("gather_local_meta")
         shapes, common = gather_local_meta(shapes, dtypes.pop() if dtypes else None, len(devices))
         dtypes = {common}
     ranks_ = {len(s) for s in shapes.values()}
