@@ -323,3 +323,22 @@ def test_jax_first_rank_to_fail_is_blamed(attempt):
     consequence = re.search(r"jsbp.launch: consequences: rank 0 (exited|failed) with code 1", err)
     stopped = "stopped by the launcher: rank(s) 0" in err
     assert consequence or stopped, err[-2000:]
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 3])
+def test_the_first_rank_to_fail_is_blamed_not_the_lowest(tmp_path, capfd, monkeypatch, attempt):
+    # both ranks fail within milliseconds; rank 0 only because rank 1 is gone
+    status, elapsed = _main(monkeypatch, "--nproc-per-node", 2, WORKERS / "fail_worker.py",
+                            "chain", tmp_path)  # fmt: skip
+    out, err = capfd.readouterr()
+    assert status == 1, err
+    # rank 1 is given a moment to finish exiting; if it is stopped, it is still the one to blame
+    assert re.search(
+        r"jsbp.launch: failed: rank 1 (exited with code 1|failed with code 1 \(Runt)", err
+    )
+    assert "(the first rank to fail)" in err
+    assert "jsbp.launch:   | RuntimeError: rank 1 fails first" in err
+    assert re.search(
+        r"consequences: rank 0 (exited|failed) with code 1 \(RuntimeError: rank 0 fails", err
+    )
+    assert elapsed < BOUND_S

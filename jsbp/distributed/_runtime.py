@@ -135,6 +135,7 @@ def initialize(
     """
     if _state["config"] is not None:
         return _state["config"]
+    listen_to_jax()  # under the launcher, JAX's compilations count as progress
     cfg = _config.from_environ(os.environ)
     k = (
         devices_per_process
@@ -168,7 +169,6 @@ def initialize(
         )
     if jax.config.jax_cpu_collectives_implementation is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    listen_to_jax()
     with activity("jsbp.distributed.initialize: joining the other processes"):
         cfg = _start(cfg, k, timeout)
     _install_failure_exit()

@@ -509,24 +509,32 @@ class _Job:
         first = min(
             (r for r in self.ranks if r.failed_at() is not None), key=lambda r: r.failed_at()
         )
+        if not first.exited:  # it noted its failure and is exiting: let it finish, briefly
+            deadline = time.monotonic() + min(2.0, self.a.grace_period)
+            while not first.exited and time.monotonic() < deadline:
+                time.sleep(0.02)
         alive = sum(not r.exited for r in self.ranks)
-        what = _describe(first.code) if first.exited else "failed"
         if alive:
-            _say(f"rank {first.rank} {what}; stopping the other {alive} process(es)")
+            what = _describe(first.code) if first.exited else self._words(first, float("inf"))
+            others = "the other " if first.exited else ""
+            _say(f"rank {first.rank} {what}; stopping {others}{alive} process(es)")
         stopped_at = self.stop()
         fails = sorted(
-            (r.failed_at(before=stopped_at), r)
-            for r in self.ranks
-            if r.failed_at(before=stopped_at)
+            (
+                (r.failed_at(before=stopped_at), r)
+                for r in self.ranks
+                if r.failed_at(before=stopped_at)
+            ),
+            key=lambda tr: (tr[0], tr[1].rank),
         )
         t0, first = fails[0]
-        code = first.code if first.code is not None else 1
         rep = first.report()
-        if first.exit_t is not None and first.exit_t >= stopped_at and rep:  # stopped after failing
-            code = rep.get("code") or 1
-            what = f"failed ({rep.get('error') or f'code {code}'}) and was stopped"
-        else:
+        if first.exit_t is not None and first.exit_t < stopped_at:
+            code = first.code
             what = _describe(code)
+        else:  # stopped while it was exiting after its failure
+            code = (rep or {}).get("code") or 1
+            what = self._words(first, stopped_at) + ", stopped while exiting"
         lines = [
             f"failed: rank {first.rank} {what}"
             + (" (the first rank to fail)" if len(fails) > 1 else "")
@@ -535,7 +543,7 @@ class _Job:
         if tail:
             lines.append(f"last lines of rank {first.rank}:")
             lines += [f"  | {ln}" for ln in tail]
-        rest = [f"rank {r.rank} {self._words(r, stopped_at)} {t - t0:.2f} s after rank {first.rank}"
+        rest = [f"rank {r.rank} {self._words(r, stopped_at)} {t - t0:.3f} s after rank {first.rank}"
                 for t, r in fails[1:]]  # fmt: skip
         others = [r.rank for r in self.ranks if r is not first and r.failed_at(before=stopped_at) is None
                   and r.exit_t is not None and r.exit_t >= stopped_at]  # fmt: skip

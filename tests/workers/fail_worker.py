@@ -3,7 +3,8 @@
 Rank 1 fails (MODE ``exit``: exit code 3; ``kill``: SIGKILL itself; ``raise``: an uncaught
 exception; ``jax``: exit code 3 after a cross-process collective). Rank 0 never finishes on its
 own: it sleeps (or, for ``jax``, waits in a barrier for rank 1), so only the launcher can stop it.
-``sleep`` mode: every rank sleeps (for the Ctrl-C and no-progress tests). ``leave`` mode:
+``chain`` mode: rank 1 raises and takes 0.5 s to exit; rank 0 raises as soon as rank 1 starts to
+go, so it exits first (the launcher must still blame rank 1). ``sleep`` mode: every rank sleeps (for the Ctrl-C and no-progress tests). ``leave`` mode:
 rank 1 exits 0 at once, rank 0 sleeps (a rank that leaves early). ``quiet`` mode: every rank
 works silently for 8 s (after a line saying it imported jsbp), calling ``jsbp.distributed.heartbeat`` (not a hang). Every rank writes its
 pid to ``PIDFILE_DIR/rank<R>.pid`` when given.
@@ -51,6 +52,21 @@ if mode == "quiet":
     sys.exit(0)
 
 print(f"rank {rank} started", flush=True)
+if mode == "chain":  # rank 1 raises but is slow to exit; rank 0 fails meanwhile, a consequence
+    gone = os.path.join(sys.argv[2], "rank1.failing")
+    if rank == 1:
+        import atexit
+
+        def slow_teardown():  # like a big process whose sockets close before it is reaped
+            open(gone, "w").close()
+            time.sleep(0.5)
+
+        atexit.register(slow_teardown)
+        time.sleep(0.5)
+        raise RuntimeError("rank 1 fails first")
+    while not os.path.exists(gone):
+        time.sleep(0.001)
+    raise RuntimeError("rank 0 fails because rank 1 is going")
 if mode == "leave" and rank == 1:
     sys.exit(0)
 if rank == 1 and mode not in ("sleep", "leave"):
