@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._errors import PlacementError, SbpError
 from ._jit import JitFunction
 from ._statickey import static_key
 from ._tensor import GlobalTensor
+from ._trace import current_tracer
 
 _CACHE: dict = {}
 
@@ -45,7 +47,20 @@ def eager(fn, *args, **kwargs):
         jf = JitFunction(call)
         if key is not None:
             _CACHE[key] = jf
-    return jf(*(args[i] for i in dyn_pos))
+    try:
+        return jf(*(args[i] for i in dyn_pos))
+    except (SbpError, PlacementError):
+        raise
+    except (TypeError, ValueError) as e:  # JAX rejected the operands (shapes, dtypes, arguments)
+        name = getattr(fn, "__name__", None) or repr(fn)
+        name = "astype" if name == "<lambda>" else name
+        ops = "; ".join(
+            f"operand {i}: {a._layout.describe()}" for i, a in enumerate(args) if isinstance(a, GlobalTensor)
+        )
+        raise SbpError(
+            f"{name} on global tensors ({ops}) failed: {type(e).__name__}: {e} Change the operands' "
+            "shapes or the arguments so that the operation is valid on the logical (global) shapes."
+        ) from e
 
 
 def _binary(fn, reflected=False):
@@ -150,3 +165,23 @@ GlobalTensor.T = property(lambda self: eager(jnp.transpose, self, None))
 GlobalTensor.astype = _astype
 GlobalTensor.matmul = _binary(jnp.matmul)
 GlobalTensor.dot = _binary(jnp.dot)
+
+
+def _jax_array(self):
+    """``jax.numpy`` functions called on a GlobalTensor outside ``jsbp.jit`` would silently drop the
+    layout (or fail with a bare TypeError): say what to use instead."""
+    if current_tracer() is not None:
+        raise SbpError(
+            f"a GlobalTensor ({self._layout.describe()}) is closed over (captured from outside) by a "
+            "function being traced under jsbp.jit. Pass it as an argument of the jitted "
+            "function instead: inside jsbp.jit every global tensor must come in as an argument, where "
+            "it becomes a logical array."
+        )
+    raise SbpError(
+        f"a jax.numpy / jax.lax function was called on a GlobalTensor ({self._layout.describe()}) outside "
+        "jsbp.jit. Use jsbp.numpy.<fn> (e.g. jsbp.numpy.sin(x)) or run the code under jsbp.jit, where "
+        "values are logical arrays; for a plain array use x.to_jax() (jax) or x.numpy() (numpy)."
+    )
+
+
+GlobalTensor.__jax_array__ = _jax_array

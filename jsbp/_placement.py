@@ -63,10 +63,9 @@ def _ranks_array(ranks) -> np.ndarray:
             raise PlacementError(
                 f"ranks must be integer JAX device ids; got {v!r} ({type(v).__name__}) in {ranks!r}."
             )
-        if not 0 <= int(v) < 2**62:
+        if abs(int(v)) >= 2**62:  # would overflow int64: certainly no device id
             raise PlacementError(
-                f"ranks must be JAX device ids; {v!r} in {ranks!r} is none (ids are >= 0; devices: "
-                f"{_backends()})."
+                f"ranks must be JAX device ids; {v!r} in {ranks!r} is none (devices: {_backends()})."
             )
         out[idx] = int(v)
     return out
