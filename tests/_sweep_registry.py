@@ -372,7 +372,7 @@ add("jnp.take[array-idx]", lambda x, i: jnp.take(x, i, axis=0), [LIN, Arg("idx<-
 add("x[idx-array]", lambda x, i: x[i], [LIN, Arg("idx<0,3>", dtype="int32")], ((EVEN, (6,)), (UNEVEN2, (2, 3)), (UNEVEN3, (5,)), (EMPTYBLK, (0,))), ("float32",), fn2=lambda x, i: x[:, i[:1].ravel()] if x.ndim > 1 else x[i])
 add("x.at[idx].set", lambda x, i, v: x.at[i].set(v), [A, Arg("idx<0,3>", dtype="int32"), A], ((EVEN, (3,), (3, 4)), (UNEVEN2, (2,), (2, 5)), (EMPTYBLK, (0,), (0, 5))), ("float32", "int32"))
 add("x.at[idx].add", lambda x, i, v: x.at[i].add(v), [LIN, Arg("idx<0,3>", dtype="int32"), LIN], ((EVEN, (3,), (3, 4)), (UNEVEN2, (5,), (5, 5)), (EMPTYBLK, (0,), (0, 5))), ("float32", "int32"))
-add("jnp.choose", lambda i, a, b: jnp.choose(i, [a, b]), [Arg("idx<0,2>", dtype="int32"), LIN, LIN], same(UNARY_SHAPES, 3))
+add("jnp.choose", lambda i, a, b: jnp.choose(i, [a, b], mode="clip"), [Arg("idx<0,2>", dtype="int32"), LIN, LIN], same(UNARY_SHAPES, 3))
 add("jnp.piecewise", lambda x: jnp.piecewise(x, [x < 0, x >= 0], [lambda t: -t, lambda t: t * 2]), [A], UNARY_SHAPES, fn2=lambda x: jnp.piecewise(x, [x < 1], [0.0, 1.0]))
 add("jnp.kron", jnp.kron, [LIN, LIN], (((2, 3), (3, 2)), ((3, 1), (2, 5)), ((0, 2), (2, 2))))
 

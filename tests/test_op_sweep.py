@@ -26,7 +26,7 @@ import pytest
 from _sweep_cases import cases_for, log_result, run_case, sample_cases
 from _sweep_registry import function_names, registry
 
-DEFAULT_FRACTION = float(os.environ.get("JSBP_SWEEP_FRACTION", "0.05"))
+DEFAULT_FRACTION = float(os.environ.get("JSBP_SWEEP_FRACTION", "0.02"))
 
 _OPS = registry()
 _CASES = [c for op in _OPS for c in cases_for(op)]
