@@ -14,7 +14,7 @@ import numpy as np
 from ._errors import PlacementError, SbpError
 from ._jit import JitFunction
 from ._statickey import static_key
-from ._tensor import GlobalTensor
+from ._tensor import GlobalTensor, _canonical_dtype
 from ._trace import current_tracer
 
 _CACHE: dict = {}
@@ -156,6 +156,7 @@ def _transpose(self, *axes):
 
 
 def _astype(self, dtype):
+    _canonical_dtype(dtype)  # an SbpError for what is no numeric dtype
     return eager(lambda x, dt: x.astype(dt), self, np.dtype(dtype))
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from . import _hooks, _sbp, _trace
 from ._boxing import make_local_boxer
 from ._errors import PlacementError, SbpError
-from ._interop import meshless
+from ._interop import meshless, portable_key
 from ._layout import Layout, balanced, layout_of, normalise_nd, offsets
 from ._placement import placement as Placement
 
@@ -42,7 +42,35 @@ __all__ = [
 
 
 def _canonical_dtype(dtype):
-    return jax.dtypes.canonicalize_dtype(np.dtype(dtype))
+    try:
+        dt = np.dtype(dtype)
+        if dt.kind in "OSUMmV" and not jnp.issubdtype(dt, jnp.number):  # objects, strings, times
+            raise TypeError(dt)
+        return jax.dtypes.canonicalize_dtype(dt)
+    except (TypeError, ValueError):
+        raise SbpError(
+            f"dtype {dtype!r} is not a numeric data type jsbp can hold; give e.g. jnp.float32, "
+            "'float32', jnp.int32 or bool."
+        ) from None
+
+
+def is_key_dtype(dtype) -> bool:
+    """A typed PRNG key array's dtype (``key<fry>``): such a tensor is always ``B``."""
+    try:
+        return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    except TypeError:
+        return False
+
+
+def _key_tensor(key, placement, sbp, op) -> GlobalTensor:
+    """A typed PRNG key array as a global tensor: always ``B`` (a key array is never split; a
+    split or partial request is read as ``B``), the same key on every device."""
+    if not isinstance(placement, Placement):
+        raise PlacementError(f"{op}: placement must be a jsbp.placement, got {placement!r}.")
+    lay = layout_of(placement, (_sbp.broadcast,) * placement.ndim, tuple(key.shape))
+    if isinstance(key, jax.core.Tracer):
+        return GlobalTensor(key, lay)
+    return GlobalTensor(jax.device_put(key, lay.sharding), lay)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -119,6 +147,10 @@ class GlobalTensor:
         ``grad_sbp`` sets the layout the gradient of the result is converted to in the backward
         pass before it flows back to this tensor (OneFlow's Megatron "f"/"g" idiom).
         """
+        if is_key_dtype(self.dtype):  # keys stay B; only the placement can change
+            if placement is None or placement == self.placement:
+                return self
+            return _key_tensor(self.to_local()[0], placement, sbp, "to_global")
         if placement is None and grad_sbp is None:
             hit = _eager_boxer(self, sbp)
             if hit is not None:
@@ -158,6 +190,8 @@ class GlobalTensor:
                 "here. Use x.to_jax() inside traced code."
             )
         lay = self._layout
+        if is_key_dtype(self.dtype):  # numpy cannot hold keys: the key array (B: one device's copy)
+            return self.to_local()[0]
         if math.prod(lay.shape) == 0:  # nothing to read (and see _empty: the shards may be odd)
             return np.zeros(lay.shape, self.dtype)
         if jax.process_count() == 1:
@@ -645,6 +679,12 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
     if isinstance(data, GlobalTensor):
         out = data.to_global(placement, sbp)
         return out if dtype is None else out.astype(dtype)
+    if isinstance(data, jax.Array) and is_key_dtype(data.dtype) and dtype is None:
+        if placement is None and isinstance(getattr(data, "sharding", None), jax.sharding.NamedSharding):
+            from ._interop import layout_of_array
+
+            placement = layout_of_array(data)[0].placement
+        return _key_tensor(data, placement, sbp, "tensor")
     if isinstance(data, jax.Array) and not isinstance(data, jax.core.Tracer):
         if isinstance(data.sharding, jax.sharding.NamedSharding) and (
                 placement is None or data.sharding.spec.unreduced):
@@ -730,7 +770,17 @@ def ones(*shape, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
 
 def arange(*args, placement=None, sbp=None, dtype=None) -> GlobalTensor:
     """``jnp.arange(*args)`` as a global tensor."""
-    return tensor(np.arange(*args), placement, sbp, dtype=dtype)
+    bad = [a for a in args if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, float, np.number))]
+    if not 1 <= len(args) <= 3 or bad:
+        raise SbpError(
+            f"arange: give 1 to 3 numbers (stop | start, stop | start, stop, step), got {args!r}; "
+            "e.g. jsbp.arange(8, placement=..., sbp=...)."
+        )
+    try:
+        value = np.arange(*args)
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise SbpError(f"arange{args!r}: {e}; use a non-zero step and a finite range.") from None
+    return tensor(value, placement, sbp, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -744,6 +794,11 @@ def _random(lay: Layout, kind: str, dtype):
 
 def _random_tensor(kind, shape, key, placement, sbp, dtype, op):
     shape = _shape_args(shape, op)
+    if not jnp.issubdtype(_canonical_dtype(dtype), jnp.floating if kind != "normal" else jnp.inexact):
+        raise SbpError(
+            f"{op}: dtype {np.dtype(dtype).name} is not a floating{' or complex' if kind == 'normal' else ''} "
+            "dtype; give e.g. dtype=jnp.float32 (and .astype(...) the result if integers are wanted)."
+        )
     lay = _layout_for(shape, placement, sbp, op, _canonical_dtype(dtype))
     if key is None:
         key = _next_key()
@@ -759,7 +814,7 @@ def _random_tensor(kind, shape, key, placement, sbp, dtype, op):
         )
     if math.prod(shape) == 0:
         return GlobalTensor(_empty(lay, _canonical_dtype(dtype)), lay)
-    return GlobalTensor(_random(lay, kind, _canonical_dtype(dtype))(key), lay)
+    return GlobalTensor(_random(lay, kind, _canonical_dtype(dtype))(portable_key(key)), lay)
 
 
 def randn(*shape, key=None, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:

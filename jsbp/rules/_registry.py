@@ -9,12 +9,14 @@ needs no boxing, otherwise the lowest boxing cost in bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .._errors import SbpError
 from .._sbp import Sbp
 from .._sbp import broadcast as B
+from .._sbp import parse as parse_sbp
 
 AxisSignature = tuple[tuple[Sbp, ...], tuple[Sbp, ...]]
 """One legal (input sbps, output sbps) pair for one placement axis."""
@@ -72,12 +74,90 @@ def register_sbp_rule(*primitives: str, local: Callable | None = None, nd: bool 
             yield (sbp.broadcast,), (sbp.broadcast,)
     """
 
+    names = []
+    for p in primitives:
+        if isinstance(p, str) and p:
+            names.append(p)
+        elif type(p).__name__ == "Primitive" and isinstance(getattr(p, "name", None), str):
+            names.append(p.name)  # a jax.extend.core.Primitive: registered under its name
+        else:
+            what = f"the function {getattr(p, '__name__', p)!r}" if callable(p) else f"{p!r} ({type(p).__name__})"
+            raise SbpError(
+                f"register_sbp_rule: got {what} where a JAX primitive name was expected. Rules are keyed "
+                "by primitive (e.g. 'add', 'dot_general', 'reduce_sum'), not by jax.numpy function: "
+                "find the primitives a function uses with jax.make_jaxpr(fn)(x), then write "
+                "@jsbp.register_sbp_rule('add')."
+            )
+    if not names:
+        raise SbpError(
+            "register_sbp_rule: name at least one JAX primitive, e.g. @jsbp.register_sbp_rule('add')."
+        )
+    if local is not None and not callable(local):
+        raise SbpError(f"register_sbp_rule({', '.join(map(repr, names))}): local= must be callable, got {local!r}.")
+
     def deco(fn):
-        for p in primitives:
-            _RULES[p] = Rule(p, fn, local, nd)
+        if not callable(fn):
+            raise SbpError(
+                f"register_sbp_rule({', '.join(map(repr, names))}) decorates a function that yields "
+                f"signatures; got {fn!r} ({type(fn).__name__})."
+            )
+        checked = _checked(fn, names[0], nd)
+        for p in names:
+            _RULES[p] = Rule(p, checked, local, nd)
         return fn
 
     return deco
+
+
+def _checked(fn, name: str, nd: bool):
+    """``fn`` whose signatures are checked as they are produced: strings such as ``"S(0)"`` are
+    read as SBPs; anything else that is not an SBP is an ``SbpError`` naming the rule."""
+
+    def bad(sig, why):
+        form = "((in nd-sbps...), (out nd-sbps...))" if nd else "((in sbps...), (out sbps...))"
+        return SbpError(
+            f"SBP rule for '{name}' ({getattr(fn, '__qualname__', fn)}) yielded a malformed signature "
+            f"{sig!r}: {why}. Yield {form} pairs of jsbp.sbp values, e.g. "
+            "(sbp.split(0), sbp.split(0)), (sbp.split(0),) — see CONTRIBUTING.md."
+        )
+
+    def one(x, sig):
+        if isinstance(x, Sbp):
+            return x
+        if isinstance(x, str):
+            try:
+                return parse_sbp(x)
+            except SbpError as e:
+                raise bad(sig, str(e)) from None
+        raise bad(sig, f"{x!r} ({type(x).__name__}) is not an SBP")
+
+    def side(xs, sig):
+        if not nd and isinstance(xs, (Sbp, str)):  # one output given bare
+            xs = (xs,)
+        if not isinstance(xs, (tuple, list)):
+            raise bad(sig, f"{xs!r} is not a tuple of {'nd-sbps' if nd else 'SBPs'}")
+        if nd:
+            for x in xs:
+                if not isinstance(x, (tuple, list)):
+                    raise bad(sig, f"{x!r} is not an nd-sbp (a tuple with one SBP per placement axis)")
+            return tuple(tuple(one(v, sig) for v in x) for x in xs)
+        return tuple(one(x, sig) for x in xs)
+
+    @functools.wraps(fn)
+    def signatures(ctx):
+        out = fn(ctx)
+        if out is None:
+            raise bad(None, "the rule returned None (it must yield or return signatures)")
+        try:
+            it = iter(out)
+        except TypeError:
+            raise bad(out, "the rule's result is not iterable") from None
+        for sig in it:
+            if not isinstance(sig, (tuple, list)) or len(sig) != 2:
+                raise bad(sig, "a signature is a pair (inputs, outputs)")
+            yield side(sig[0], sig), side(sig[1], sig)
+
+    return signatures
 
 
 def get_rule(name: str, *, op_desc: str = "") -> Rule:
