@@ -14,6 +14,7 @@ from ._errors import NoRuleWarning as NoRuleWarning
 from ._errors import PlacementError as PlacementError
 from ._errors import SbpError as SbpError
 from ._explain import explain as explain
+from ._interop import named_sharding as named_sharding
 from ._jit import jit as jit
 from ._mirrored import all_reduce as all_reduce
 from ._mirrored import mirrored as mirrored

@@ -95,7 +95,7 @@ def combine_collectives(prog) -> None:
                     open_groups[key] = (gid, members, nbytes + size)
                     deferred.update(st.eqn.outvars)
                     continue
-            elif not st.boxings and v in deferred:
+            elif not st.boxings and not isinstance(v, jcore.Literal) and v in deferred:
                 deferred.update(st.eqn.outvars)
                 continue
         if any(not isinstance(v, jcore.Literal) and v in deferred for v in st.eqn.invars):

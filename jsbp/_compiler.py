@@ -753,12 +753,28 @@ def _emit_linear_solve(st, ins):
     return run_program(sub, [ins[i] for i in reads])
 
 
+def _infer_sharding_request(inf: _Inference, eqn, cur):
+    """JAX's own sharding calls (``reshard``, ``with_sharding_constraint``, and ``out_sharding=``,
+    which ``_interop.lift_out_shardings`` turns into a ``reshard``) are layout requests, like
+    ``to_global``: the value is boxed to the nd-sbp the spec names (mesh axes mapped to placement
+    axes by name); on local shards an identity."""
+    from ._interop import requested_nd
+
+    nd = requested_nd(eqn, cur[0], inf.placement)
+    if nd is None:
+        return Step(eqn, list(cur), list(cur), [], kind="annotate")
+    want = inf.lay(nd, eqn.invars[0].aval)
+    bx = inf.box_value(0, cur[0], want, eqn.invars[0])
+    return Step(eqn, [want], [want], [bx] if bx is not None else [], kind="annotate")
+
+
 _HIGHER_ORDER = {
     "custom_linear_solve": _infer_linear_solve,
     "scan": _infer_scan,
     "while": _infer_while,
     "cond": _infer_cond,
     "jsbp_to_global": _infer_annotate,
+    **dict.fromkeys(("reshard", "sharding_constraint"), _infer_sharding_request),
 }
 for _n in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
            "custom_vjp_call_jaxpr", "remat", "checkpoint", "custom_lin"):

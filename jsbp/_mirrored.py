@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import PlacementError, SbpError
+from ._interop import meshless
 from ._placement import placement as Placement
 from ._tensor import GlobalTensor
 
@@ -186,7 +187,7 @@ class MirroredFunction:
             out_specs=PartitionSpec(axes),
             check_vma=False,
         )
-        entry = (jax.jit(sm), out_info)
+        entry = (meshless(jax.jit(sm)), out_info)  # runs whatever jax.set_mesh(...) is active
         self._cache[key] = entry
         return entry
 

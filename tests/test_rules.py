@@ -218,13 +218,7 @@ case("bitcast_convert_type", lambda x: lax.bitcast_convert_type(x, jnp.float32),
      Arg((7, 5, 2), "int16"))
 
 # -- annotation-only primitives -------------------------------------------------------------------
-def _wsc(x):
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("m",))
-    return lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-
-
-case("sharding_constraint", _wsc, f32(*UNEVEN))
-case("sharding_constraint", _wsc, f32(*EVEN))
+# (sharding_constraint / reshard are layout requests the compiler handles: tests/test_interop.py)
 case("name", lambda x: __import__("jax.ad_checkpoint", fromlist=["x"]).checkpoint_name(x, "h"), f32(*UNEVEN))
 case("name", lambda x: __import__("jax.ad_checkpoint", fromlist=["x"]).checkpoint_name(x, "h"), f32(*EVEN))
 case("optimization_barrier", lambda x: lax.optimization_barrier(x), f32(*UNEVEN))

@@ -7,6 +7,6 @@ the registry can report them as supported."""
 HANDLED_BY_COMPILER = (
     "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
     "custom_vjp_call_jaxpr", "custom_lin", "remat", "checkpoint", "scan", "while", "cond",
-    "jsbp_to_global", "custom_linear_solve",
+    "jsbp_to_global", "custom_linear_solve", "reshard", "sharding_constraint",
 )
 # fmt: on

@@ -154,12 +154,6 @@ def _clamp(ctx):
     yield from _elementwise(ctx, [((B, x, B), x) for x in (PMAX, PMIN)])
 
 
-def _annotation_local(st, ins):
-    """Sharding annotations describe a *logical* mesh that the consistent view owns: on local
-    shards they are identities (binding one inside the shard_map would name foreign devices)."""
-    return list(ins) if st.eqn.primitive.multiple_results else ins[0]
-
-
 def _identity_sigs(ctx):
     """Identities keep every layout, partial ones included; several operands move together."""
     n_in, n_out = len(ctx.in_avals), len(ctx.out_avals)
@@ -170,7 +164,6 @@ def _identity_sigs(ctx):
         yield (x,) * n_in, (x,) * n_out
 
 
-register_sbp_rule("sharding_constraint", local=_annotation_local)(_identity_sigs)
 register_sbp_rule("optimization_barrier", "name")(_identity_sigs)
 
 
