@@ -24,7 +24,6 @@ from jax.interpreters import ad, batching, mlir
 from . import _sbp
 from ._compiler import Program, infer, run_program
 from ._errors import PlacementError, SbpError
-from ._interop import lift_out_shardings, meshless, trace_with_mesh
 from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
 from ._statickey import static_key
@@ -107,6 +106,21 @@ def _is_global(x):
     return isinstance(x, GlobalTensor)
 
 
+def _dtype(d):
+    """``np.dtype(d)``, except that an extended dtype (a typed PRNG key array's ``key<fry>``)
+    stays as it is: key arrays pass through ``jsbp.jit`` as ``B`` values."""
+    return d if jax.dtypes.issubdtype(d, jax.dtypes.extended) else np.dtype(d)
+
+
+def _keys_broadcast(out_nd, avals, placement):
+    """Typed PRNG key outputs are always ``B`` (a key array is never split)."""
+    keys = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) for a in avals]
+    if not any(keys):
+        return out_nd
+    out_nd = list(out_nd) if out_nd is not None else [None] * len(avals)
+    return [(_sbp.broadcast,) * placement.ndim if k else nd for k, nd in zip(keys, out_nd)]
+
+
 def _leaf_type(x):
     try:
         return (x.dtype, x.shape)
@@ -141,13 +155,13 @@ def _build_shard_map(placement, in_layouts, out_layouts, prog, in_dtypes):
         outs = run_program(prog, xs)
         return tuple(o[None] if s else o for o, s in zip(outs, sq_out))
 
-    sm = meshless(jax.jit(jax.shard_map(  # runs whatever jax.set_mesh(...) is active
+    sm = jax.jit(jax.shard_map(
         body,
         mesh=placement.mesh,
         in_specs=tuple(l.spec for l, keep in zip(in_layouts, passed) if keep),
         out_specs=tuple(l.spec for l in out_layouts),
         check_vma=False,
-    )))
+    ))
     if all(passed):
         return sm
     return _DropEmpty(sm, passed)
@@ -212,8 +226,8 @@ def _trace(fn, treedef, static, in_layouts, in_dtypes, placement, weak=()):
         return [jnp.asarray(x) for x in leaves]
 
     with tracing(_Hook(placement)):
-        closed = trace_with_mesh(lambda: jax.make_jaxpr(flat_fn)(*abstract), placement)
-    return lift_out_shardings(closed), store["tree"], flat_fn
+        closed = jax.make_jaxpr(flat_fn)(*abstract)
+    return closed, store["tree"], flat_fn
 
 
 def _merge_static(args, static):
@@ -277,14 +291,14 @@ class JitFunction:
             if _is_global(x):
                 phys.append(x._value)
                 lays.append(x._layout)
-                dtypes.append(np.dtype(x._value.dtype))
+                dtypes.append(_dtype(x._value.dtype))
                 weak.append(False)
             else:
                 arr = x if isinstance(x, jax.Array) else jnp.asarray(x)
                 lay = layout_of(placement, (_sbp.broadcast,) * placement.ndim, tuple(arr.shape))
                 phys.append(_put_plain(arr, lay))
                 lays.append(lay)
-                dtypes.append(np.dtype(arr.dtype))
+                dtypes.append(_dtype(arr.dtype))
                 weak.append(type(x) in (int, float, complex))
                 plain.append((i, lay))
         key = (treedef, tuple(lays), tuple(dtypes), tuple(weak), self._static_key(static))
@@ -296,6 +310,7 @@ class JitFunction:
             closed, out_tree, flat_fn = _trace(self.fn, treedef, static, lays, dtypes, placement, key[3])
             out_avals = closed.out_avals
             out_nd = _out_nd_list(self.out_sbp, len(out_avals), placement, [a.shape for a in out_avals])
+            out_nd = _keys_broadcast(out_nd, out_avals, placement)
             prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd, strict=self.strict)
             fn = _build_shard_map(placement, lays, prog.out_layouts, prog, dtypes)
             out_struct = jax.tree_util.tree_structure(
@@ -355,9 +370,9 @@ def _differentiable(entry: _Entry):
 
     def bwd(phys, cts):
         bwd_fn, diff_idx = _backward(entry)
-        cts = [
+        cts = [  # the backward program reads the cotangents of inexact outputs only (keys: float0)
             c if not (hasattr(c, "dtype") and c.dtype == jax.dtypes.float0) else jnp.zeros(l.physical_shape, d)
-            for c, l, d in zip(cts, entry.out_layouts, entry.out_dtypes)
+            for c, l, d in zip(cts, entry.out_layouts, entry.out_dtypes) if _inexact(d)
         ]
         grads = bwd_fn(*phys, *cts)
         out = []
@@ -387,7 +402,7 @@ def _backward(entry: _Entry):
     out_diff = [i for i, d in enumerate(entry.out_dtypes) if _inexact(d)]
 
     def bwd_logical(*args):
-        primals, cts = args[:n_in], args[n_in:]
+        primals, cts = args[:n_in], dict(zip(out_diff, args[n_in:]))
 
         def f_diff(*xs):
             full = list(primals)
@@ -399,11 +414,11 @@ def _backward(entry: _Entry):
         _, vjp = jax.vjp(f_diff, *[primals[i] for i in diff_idx])
         return list(vjp([cts[i] for i in out_diff]))
 
-    in_lays = list(entry.in_layouts) + list(entry.out_layouts)
-    in_dts = list(entry.in_dtypes) + list(entry.out_dtypes)
+    in_lays = list(entry.in_layouts) + [entry.out_layouts[i] for i in out_diff]
+    in_dts = list(entry.in_dtypes) + [entry.out_dtypes[i] for i in out_diff]
     abstract = [jax.ShapeDtypeStruct(l.shape, d) for l, d in zip(in_lays, in_dts)]
     with tracing(_Hook(entry.placement)):
-        closed = lift_out_shardings(trace_with_mesh(lambda: jax.make_jaxpr(bwd_logical)(*abstract), entry.placement))
+        closed = jax.make_jaxpr(bwd_logical)(*abstract)
     out_nd = [entry.in_layouts[i].nd_sbp for i in diff_idx]
     prog = infer(entry.placement, closed.jaxpr, closed.consts, in_lays, out_nd, strict=entry.strict)
     fn = _build_shard_map(entry.placement, in_lays, prog.out_layouts, prog, in_dts)

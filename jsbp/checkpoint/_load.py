@@ -22,7 +22,8 @@ from jax.tree_util import keystr, tree_flatten_with_path
 
 from .._layout import Layout, layout_of, normalise_nd
 from .._placement import placement as Placement
-from .._tensor import GlobalTensor, zeros
+from .. import _sbp
+from .._tensor import GlobalTensor, is_key_dtype, zeros
 from ..distributed._heartbeat import activity
 from . import _backend, _manifest
 from ._errors import CheckpointError, warn
@@ -84,6 +85,18 @@ class _Plan:
         return np.zeros(self.shape, self.dtype)
 
     def finish(self, arr):
+        out = self._finish(arr)
+        impl = self.entry.get("prng_impl")
+        if impl is None:
+            return out
+        if isinstance(out, GlobalTensor):  # a typed PRNG key array again: always B
+            plc = out.placement
+            b = (_sbp.broadcast,) * plc.ndim
+            key = jax.random.wrap_key_data(out.to_global(sbp=b).physical, impl=impl)
+            return GlobalTensor(key, layout_of(plc, b, tuple(key.shape)))
+        return jax.random.wrap_key_data(jnp.asarray(out), impl=impl)
+
+    def _finish(self, arr):
         e = self.entry
         if self.kind == "scalar":
             return e["value"]
@@ -113,6 +126,26 @@ def _mismatch(root, e, shape, dtype) -> CheckpointError:
     )
 
 
+def _key_target(root: str, e: dict, t):
+    """A typed PRNG key target read as a target for the key's saved data (``B``; ``finish`` wraps
+    it again). A key target for data that was no key, or the reverse, is a mismatch."""
+    dt = getattr(t, "dtype", None)
+    is_key = dt is not None and is_key_dtype(dt)
+    if not is_key and "prng_impl" not in e:
+        return t
+    if not is_key or "prng_impl" not in e:
+        raise CheckpointError(
+            f"load: the leaf at {_where(e['path'])} in checkpoint {root} was saved "
+            f"{'as a PRNG key array' if 'prng_impl' in e else 'as ' + _fmt(e['shape'], e['dtype'])}, but the "
+            f"target there is {'a PRNG key array' if is_key else 'no PRNG key array'}; give a matching target."
+        )
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(t.shape, dt))
+    if isinstance(t, (GlobalTensor, TensorSpec)):
+        plc = t.layout.placement
+        return TensorSpec(tuple(data.shape), data.dtype, plc, (_sbp.broadcast,) * plc.ndim)
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(t, "sharding", None))
+
+
 def _plan_for_target(root: str, e: dict, t) -> _Plan:
     """The plan for saved entry ``e`` given one target leaf ``t``."""
     path = _where(e["path"])
@@ -124,6 +157,7 @@ def _plan_for_target(root: str, e: dict, t) -> _Plan:
             f"{e['value']!r}, but the target there is {type(t).__name__} {repr(t)[:60]}; give a "
             f"{e['pytype']} in the target."
         )
+    t = _key_target(root, e, t)
     if isinstance(t, (GlobalTensor, TensorSpec)):
         shape, dtype, lay = tuple(t.shape), np.dtype(t.dtype), t.layout
         kind = "global"

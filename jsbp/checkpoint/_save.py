@@ -29,7 +29,8 @@ import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
 
 from .. import _sbp
-from .._tensor import GlobalTensor
+from .._layout import layout_of
+from .._tensor import GlobalTensor, is_key_dtype
 from ..distributed._heartbeat import activity
 from . import _backend, _lock, _manifest, _sync
 from ._errors import CheckpointError
@@ -70,8 +71,28 @@ _UNSUPPORTED = (
 )
 
 
+def _key_data(leaf):
+    """A typed PRNG key array (global or jax) as its key data (``uint32``, the impl's trailing
+    dims added) and the impl's name; ``None`` for any other leaf. Keys are saved as their data."""
+    if not isinstance(leaf, (GlobalTensor, jax.Array)) or not is_key_dtype(leaf.dtype):
+        return None
+    if isinstance(leaf, GlobalTensor):
+        key = leaf.to_global(sbp=(_sbp.broadcast,) * leaf.placement.ndim).physical
+        data = jax.random.key_data(key)
+        plc = leaf.placement
+        return GlobalTensor(data, layout_of(plc, (_sbp.broadcast,) * plc.ndim, tuple(data.shape))), str(
+            jax.random.key_impl(key)
+        )
+    return jax.random.key_data(leaf), str(jax.random.key_impl(leaf))
+
+
 def _entry(i: int, kp, leaf) -> tuple[dict, object | None]:
     """The manifest entry of one leaf and the array to hand to orbax (or None)."""
+    keyed = None if isinstance(leaf, jax.core.Tracer) else _key_data(leaf)
+    if keyed is not None:
+        e, arr = _entry(i, kp, keyed[0])
+        e["prng_impl"] = keyed[1]  # load wraps the data again with this impl
+        return e, arr
     path = keystr(kp) or "the root (the tree is a single leaf)"
     e = {"path": keystr(kp), "keys": [_manifest.encode_key(k) for k in kp], "name": f"leaf_{i:05d}"}
     if isinstance(leaf, GlobalTensor):

@@ -10,7 +10,8 @@ import numpy as np
 from .._errors import PlacementError, SbpError
 from .._layout import Layout, layout_of, normalise_nd
 from .._placement import placement as Placement
-from .._sbp import nd_str
+from .._sbp import broadcast, nd_str
+from .._tensor import is_key_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +37,17 @@ class TensorSpec:
             ) from None
         if any(s < 0 for s in shape):
             raise SbpError(f"TensorSpec: shape entries must be non-negative, got {shape}.")
+        key = is_key_dtype(self.dtype)  # a typed PRNG key array: always B
         try:
-            dtype = np.dtype(self.dtype)
+            dtype = self.dtype if key else np.dtype(self.dtype)
         except TypeError:
             raise SbpError(f"TensorSpec: {self.dtype!r} is not a dtype.") from None
         if not isinstance(self.placement, Placement):
             raise PlacementError(
                 f"TensorSpec: placement must be a jsbp.placement, got {self.placement!r}."
             )
-        nd = normalise_nd(self.sbp, shape, self.placement, op="TensorSpec")
+        sbp = (broadcast,) * self.placement.ndim if key else self.sbp
+        nd = normalise_nd(sbp, shape, self.placement, op="TensorSpec")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "sbp", nd)
@@ -59,4 +62,4 @@ class TensorSpec:
         return layout_of(self.placement, self.sbp, self.shape)
 
     def __str__(self):
-        return f"TensorSpec({self.shape}, {self.dtype.name}, {self.placement}, {nd_str(self.sbp)})"
+        return f"TensorSpec({self.shape}, {getattr(self.dtype, 'name', self.dtype)}, {self.placement}, {nd_str(self.sbp)})"

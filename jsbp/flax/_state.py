@@ -17,7 +17,7 @@ from flax import nnx
 
 from .. import _sbp
 from .._errors import SbpError
-from .._tensor import GlobalTensor, tensor
+from .._tensor import GlobalTensor, is_key_dtype, tensor
 from ._strategy import LeafLayouts, Strategy
 
 __all__ = ["shard", "gather", "layouts", "describe", "local_nbytes", "leaf_layouts", "path_str"]
@@ -86,6 +86,10 @@ def leaf_layouts(flat: Sequence[tuple[Path, Any]], strategy: Strategy) -> dict[P
                 if p is not None and _shape(_value(params[p])) == shape:
                     base = base_of[p]
                     break
+        if is_key_dtype(getattr(_value(var), "dtype", None)):  # RNG keys: always B, never split
+            b = (_sbp.broadcast,) * strategy.placement.ndim
+            out[path] = LeafLayouts(kind, b, b, b)
+            continue
         out[path] = strategy.leaf_layouts(kind, path_str(path), shape, _names(var), base=base)
     return out
 
@@ -93,11 +97,7 @@ def leaf_layouts(flat: Sequence[tuple[Path, Any]], strategy: Strategy) -> dict[P
 def _put(value, placement, nd):
     if isinstance(value, GlobalTensor):
         return value.to_global(placement=placement, sbp=nd)
-    arr = value
-    dt = getattr(arr, "dtype", None)
-    if dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
-        return value  # typed PRNG keys stay plain (broadcast) arrays
-    return tensor(arr, placement=placement, sbp=nd)
+    return tensor(value, placement=placement, sbp=nd)  # a typed PRNG key array becomes B
 
 
 def _split(tree):
@@ -135,7 +135,7 @@ def gather(tree):
     for path, var in flat:
         v = _value(var)
         if isinstance(v, GlobalTensor):
-            v = jax.numpy.asarray(v.numpy())
+            v = v.numpy() if is_key_dtype(v.dtype) else jax.numpy.asarray(v.numpy())
         new.append((path, var.replace(v)))
     return _join(graphdef, nnx.from_flat_state(new))
 
@@ -181,6 +181,7 @@ def local_nbytes(tree, *, include_scalars: bool = True) -> list[int]:
             continue
         if not include_scalars and not v.shape:
             continue
-        sizes = [int(np.prod(x.shape)) * np.dtype(v.dtype).itemsize for x in v.to_local()]
+        item = v.dtype.itemsize if is_key_dtype(v.dtype) else np.dtype(v.dtype).itemsize
+        sizes = [int(np.prod(x.shape)) * item for x in v.to_local()]
         totals = sizes if totals is None else [a + b for a, b in zip(totals, sizes)]
     return totals or []

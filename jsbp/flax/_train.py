@@ -108,6 +108,9 @@ class TrainStep:
             def loss_of(params, rest, mb):
                 if zero3:
                     params = _map_flat(params, use)
+                # fresh Variables at this trace level: the model may mutate non-Param state in
+                # place (BatchNorm statistics, RNG counts), returned below as the aux output
+                rest = jax.tree.map(lambda v: v, rest)
                 m = nnx.merge(mdef, params, rest)
                 return loss_fn(m, mb), nnx.state(m, nnx.Not(nnx.Param))
 

@@ -38,7 +38,7 @@ from flax import nnx
 from .. import _sbp
 from .._errors import SbpError
 from .._jit import jit as sbp_jit
-from .._tensor import GlobalTensor, tensor, to_global
+from .._tensor import GlobalTensor, is_key_dtype, tensor, to_global
 from ..flax import Strategy, leaf_layouts, shard, use_strategy
 from ..flax import gather as gather_state
 
@@ -65,12 +65,16 @@ def as_module(spec, index: int) -> nnx.Module:
     )
 
 
+def _itemsize(dtype) -> int:
+    return dtype.itemsize if is_key_dtype(dtype) else np.dtype(dtype).itemsize
+
+
 def local_nbytes(tree) -> int:
     """Bytes the global tensors of ``tree`` take on the fullest device of their placement."""
     total = 0
     for x in _leaves(tree):
         if _is_global(x):
-            total += math.prod(x.layout.local_shape) * np.dtype(x.dtype).itemsize
+            total += math.prod(x.layout.local_shape) * _itemsize(x.dtype)
     return total
 
 
@@ -133,7 +137,7 @@ def _signature(*trees) -> tuple:
             (
                 treedef,
                 tuple(
-                    (a.layout, np.dtype(a.dtype))
+                    (a.layout, a.dtype)
                     if _is_global(a)
                     else (np.shape(a), np.result_type(a))
                     for a in leaves

@@ -1,0 +1,177 @@
+"""jsbp.flax with non-parameter state: RNG streams (``nnx.Rngs`` keys and counts, dropout),
+BatchNorm statistics, call-time RNGs, and every form of Flax's sharding metadata.
+
+Each parity test trains the same model from the same initial state on the same batches under a
+strategy and on one device (``make_train_step(loss_fn, None)``, plain ``jax.jit``); losses and
+the state must agree to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jsbp
+import jsbp.flax as jflax
+from jsbp import sbp
+
+S0, S1, B = sbp.split(0), sbp.split(1), sbp.broadcast
+RTOL = 1e-5
+
+
+def _plc(shape, names):
+    return jsbp.placement("cpu", np.arange(int(np.prod(shape))).reshape(shape), axis_names=names)
+
+
+def _dp8():
+    return jflax.Strategy(_plc((8,), ("dp",)))
+
+
+def _dp2tp4():
+    return jflax.Strategy(_plc((2, 4), ("dp", "tp")), logical_axes={"batch": "dp", "mlp": "tp"})
+
+
+def _batches(n, rows=16, d_in=8, d_out=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.normal(size=(rows, d_in)).astype(np.float32), rng.normal(size=(rows, d_out)).astype(np.float32))
+        for _ in range(n)
+    ]
+
+
+def _mse(model, batch):
+    x, t = batch
+    return jnp.mean((model(x) - t) ** 2)
+
+
+def _np(v):
+    return v.numpy() if isinstance(v, jsbp.GlobalTensor) else np.asarray(v)
+
+
+def _key_data(v):
+    v = v.numpy() if isinstance(v, jsbp.GlobalTensor) else v
+    return np.asarray(jax.random.key_data(v))
+
+
+def _part(*names):
+    return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+
+
+# ------------------------------------------------------------------------------------------------
+# RNG streams: nnx.Rngs state, dropout
+# ------------------------------------------------------------------------------------------------
+
+
+class DropMLP(nnx.Module):
+    """Two dropout layers drawing from ``nnx.Rngs(dropout=...)`` state held by the model."""
+
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(8, 32, kernel_init=_part("embed", "mlp"), rngs=rngs)
+        self.drop1 = nnx.Dropout(0.5, rngs=rngs)
+        self.fc2 = nnx.Linear(32, 4, kernel_init=_part("mlp", "embed"), rngs=rngs)
+        self.drop2 = nnx.Dropout(0.25, rngs=rngs)
+
+    def __call__(self, x):
+        h = jflax.constrain(x, ("batch", "embed"))
+        h = self.drop1(jax.nn.relu(self.fc1(h)))
+        return self.drop2(self.fc2(h))
+
+
+def _new_drop(seed=0):
+    with nnx.use_eager_sharding(False):
+        model = DropMLP(nnx.Rngs(params=seed, dropout=seed + 1))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def _rng_state(model):
+    flat = nnx.to_flat_state(nnx.state(model, nnx.RngState))
+    out = {}
+    for path, var in flat:
+        v = var.get_value()
+        out["/".join(map(str, path))] = _key_data(v) if "key" in str(path[-1]) else _np(v)
+    return out
+
+
+@pytest.mark.parametrize("make_strategy", [_dp8, _dp2tp4], ids=["dp8", "dp2xtp4"])
+def test_dropout_rng_streams_match_one_device(make_strategy):
+    strategy = make_strategy()
+    ref_model, ref_opt = _new_drop()
+    model, opt = jflax.shard(_new_drop(), strategy)
+    keys = [p for p, v in jflax.layouts(model).items() if "rngs" in p]
+    assert keys and all(jflax.layouts(model)[p] == jsbp._sbp.nd_str((B,) * strategy.placement.ndim) for p in keys)
+    ref_step = jflax.make_train_step(_mse, None)
+    step = jflax.make_train_step(_mse, strategy)
+    for i, batch in enumerate(_batches(3)):
+        want = float(ref_step(ref_model, ref_opt, batch))
+        got = float(step(model, opt, batch).numpy())
+        np.testing.assert_allclose(got, want, rtol=RTOL)
+        ref_rng, rng = _rng_state(ref_model), _rng_state(model)
+        assert ref_rng.keys() == rng.keys()
+        for k in ref_rng:
+            np.testing.assert_array_equal(rng[k], ref_rng[k], err_msg=k)
+        counts = [v for k, v in rng.items() if k.endswith("count")]
+        assert counts and all(int(c) == i + 1 for c in counts)  # one draw per dropout per step
+    # the dropout really drops: two steps on the same batch see different masks
+    plain = jflax.gather(model)
+    assert isinstance(plain.drop1.rngs.key.get_value(), jax.Array)
+    x = _batches(1)[0][0]
+    ya, yb = np.asarray(plain(x)), np.asarray(plain(x))
+    assert not np.allclose(ya, yb)
+    plain.eval()
+    np.testing.assert_allclose(np.asarray(plain(x)), np.asarray(plain(x)))
+
+
+def test_key_arrays_are_broadcast_global_tensors():
+    p = _plc((2, 4), ("dp", "tp"))
+    k = jax.random.key(7)
+    g = jsbp.tensor(k, placement=p, sbp=("S(0)", "B"))  # a key array is never split
+    assert g.sbp == (B, B) and g.shape == () and jax.dtypes.issubdtype(g.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(_key_data(g), _key_data(k))
+    assert all(np.array_equal(_key_data(x), _key_data(k)) for x in g.to_local())
+    x = jsbp.tensor(np.ones((8, 4), np.float32), placement=p, sbp=("S(0)", "S(1)"))
+
+    @jsbp.jit
+    def f(key, x):
+        a, b = jax.random.split(key)
+        return jax.random.fold_in(a, 3), x * jax.random.normal(b, x.shape)
+
+    k2, y = f(g, x)
+    a, b = jax.random.split(k)
+    assert k2.sbp == (B, B)
+    np.testing.assert_array_equal(_key_data(k2), _key_data(jax.random.fold_in(a, 3)))
+    np.testing.assert_allclose(y.numpy(), np.asarray(jax.random.normal(b, (8, 4))), rtol=1e-6)
+
+
+def test_checkpoint_round_trip_keeps_rng_keys(tmp_path):
+    from jsbp import checkpoint as ck
+
+    strategy = _dp2tp4()
+    model, opt = jflax.shard(_new_drop(), strategy)
+    step = jflax.make_train_step(_mse, strategy)
+    batches = _batches(3)
+    step(model, opt, batches[0])
+    state = nnx.state((model, opt))
+    ck.save(tmp_path / "ckpt", state)
+    before = _rng_state(model)
+
+    # into a fresh sharded model (target: its own state, keys and all)
+    model2, opt2 = jflax.shard(_new_drop(seed=5), strategy)
+    nnx.update((model2, opt2), ck.load(tmp_path / "ckpt", nnx.state((model2, opt2))))
+    after = _rng_state(model2)
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+    key = model2.drop1.rngs.key.get_value()
+    assert isinstance(key, jsbp.GlobalTensor) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    # both continue identically (same dropout masks, same parameters)
+    for b in batches[1:]:
+        np.testing.assert_allclose(float(step(model2, opt2, b)), float(step(model, opt, b)), rtol=RTOL)
+    # as saved (no target), and with key TensorSpecs
+    raw = jax.tree.leaves(ck.load(tmp_path / "ckpt"), is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor))
+    keys = [x for x in raw if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    assert len(keys) == 2 and all(x.sbp == (B, B) for x in keys)
+    spec = ck.TensorSpec.like(key)
+    assert spec.sbp == (B, B)
