@@ -24,6 +24,7 @@ from jax.interpreters import ad, batching, mlir
 from . import _sbp
 from ._compiler import Program, infer, run_program
 from ._errors import PlacementError, SbpError
+from ._interop import lift_out_shardings, meshless, trace_with_mesh
 from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
 from ._statickey import static_key
@@ -155,13 +156,13 @@ def _build_shard_map(placement, in_layouts, out_layouts, prog, in_dtypes):
         outs = run_program(prog, xs)
         return tuple(o[None] if s else o for o, s in zip(outs, sq_out))
 
-    sm = jax.jit(jax.shard_map(
+    sm = meshless(jax.jit(jax.shard_map(  # runs whatever jax.set_mesh(...) is active
         body,
         mesh=placement.mesh,
         in_specs=tuple(l.spec for l, keep in zip(in_layouts, passed) if keep),
         out_specs=tuple(l.spec for l in out_layouts),
         check_vma=False,
-    ))
+    )))
     if all(passed):
         return sm
     return _DropEmpty(sm, passed)
@@ -226,8 +227,8 @@ def _trace(fn, treedef, static, in_layouts, in_dtypes, placement, weak=()):
         return [jnp.asarray(x) for x in leaves]
 
     with tracing(_Hook(placement)):
-        closed = jax.make_jaxpr(flat_fn)(*abstract)
-    return closed, store["tree"], flat_fn
+        closed = trace_with_mesh(lambda: jax.make_jaxpr(flat_fn)(*abstract), placement)
+    return lift_out_shardings(closed), store["tree"], flat_fn
 
 
 def _merge_static(args, static):
@@ -418,7 +419,7 @@ def _backward(entry: _Entry):
     in_dts = list(entry.in_dtypes) + [entry.out_dtypes[i] for i in out_diff]
     abstract = [jax.ShapeDtypeStruct(l.shape, d) for l, d in zip(in_lays, in_dts)]
     with tracing(_Hook(entry.placement)):
-        closed = jax.make_jaxpr(bwd_logical)(*abstract)
+        closed = lift_out_shardings(trace_with_mesh(lambda: jax.make_jaxpr(bwd_logical)(*abstract), entry.placement))
     out_nd = [entry.in_layouts[i].nd_sbp for i in diff_idx]
     prog = infer(entry.placement, closed.jaxpr, closed.consts, in_lays, out_nd, strict=entry.strict)
     fn = _build_shard_map(entry.placement, in_lays, prog.out_layouts, prog, in_dts)
