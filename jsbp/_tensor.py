@@ -41,6 +41,15 @@ __all__ = [
 ]
 
 
+def _numeric(dtype) -> bool:
+    """bool or a number type, ml_dtypes' too (numpy files bfloat16 and the float8 types under the
+    kind letter 'V', with void and structured types)."""
+    try:
+        return dtype == np.bool_ or bool(jnp.issubdtype(dtype, jnp.number))
+    except TypeError:
+        return False
+
+
 def _canonical_dtype(dtype):
     try:
         dt = np.dtype(dtype)
@@ -745,7 +754,7 @@ def full(shape, value, placement=None, sbp=None, *, dtype=None) -> GlobalTensor:
     shape = _shape_args((shape,) if isinstance(shape, (int, np.integer)) else tuple(shape), "full")
     lay = _layout_for(shape, placement, sbp, "full")
     if not (isinstance(value, (int, float, complex, np.number, np.bool_)) or (
-        hasattr(value, "dtype") and np.ndim(value) == 0 and np.dtype(value.dtype).kind in "biufc"
+        hasattr(value, "dtype") and np.ndim(value) == 0 and _numeric(value.dtype)
     )):
         raise SbpError(
             f"full: the fill value must be a number or a 0-d numeric array, got {value!r} "
@@ -854,7 +863,7 @@ def from_local(locals_: Sequence, placement: Placement = None, sbp=None) -> Glob
         )
     arrs = [np.asarray(a) if not isinstance(a, jax.Array) else a for a in locals_]
     for a, raw in zip(arrs, locals_):
-        if a.dtype.kind not in "biufc":  # strings, objects, None
+        if not _numeric(a.dtype):  # strings, objects, None
             raise SbpError(
                 f"from_local: local {raw!r:.60} ({type(raw).__name__}) is not a numeric array; give "
                 f"one numpy / jax array (or nested list of numbers) per owned device of {placement}."

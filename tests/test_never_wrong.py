@@ -360,3 +360,13 @@ def test_every_dtype_survives_boxing_between_random_layouts():
         np.testing.assert_array_equal(z.numpy(), v)
 
     check()
+
+
+def test_from_local_takes_bfloat16_and_float8_locals():
+    """numpy files bfloat16 under the kind letter 'V': from_local must still read it as numeric."""
+    for dt in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
+        v = np.arange(12, dtype=np.float32).reshape(4, 3).astype(dt)
+        x = jsbp.from_local([v[i:i + 1] for i in range(4)], placement=P4, sbp="S(0)")
+        assert x.dtype == np.dtype(dt)
+        np.testing.assert_array_equal(x.numpy(), v)
+        assert jsbp.full((2,), np.asarray(1.5, dt), placement=P4, sbp="B").dtype == np.dtype(dt)
