@@ -175,3 +175,79 @@ def test_checkpoint_round_trip_keeps_rng_keys(tmp_path):
     assert len(keys) == 2 and all(x.sbp == (B, B) for x in keys)
     spec = ck.TensorSpec.like(key)
     assert spec.sbp == (B, B)
+
+
+# ------------------------------------------------------------------------------------------------
+# BatchNorm: mutable statistics of the global batch
+# ------------------------------------------------------------------------------------------------
+
+
+class BNNet(nnx.Module):
+    """A small CNN + MLP with BatchNorm after the conv and after the hidden layer. The layers
+    before a BatchNorm have no bias (BatchNorm cancels it: its gradient is rounding noise, which
+    Adam would blow up to +-lr, differently on one device and on eight)."""
+
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(2, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+        self.bn1 = nnx.BatchNorm(4, momentum=0.8, rngs=rngs)
+        self.fc1 = nnx.Linear(4 * 4 * 4, 16, use_bias=False, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(16, momentum=0.8, rngs=rngs)
+        self.fc2 = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.bn1(self.conv(x)))
+        h = h.reshape(h.shape[0], -1)
+        return self.fc2(jax.nn.relu(self.bn2(self.fc1(h))))
+
+
+def _new_bn(seed=0):
+    model = BNNet(nnx.Rngs(seed))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def _bn_batches(n, rows=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            (2.0 + 3.0 * rng.normal(size=(rows, 4, 4, 2))).astype(np.float32),
+            rng.normal(size=(rows, 4)).astype(np.float32),
+        )
+        for _ in range(n)
+    ]
+
+
+def _batch_stats(model):
+    return {
+        jflax.path_str(p): _np(v.get_value())
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.BatchStat))
+    }
+
+
+def test_batchnorm_statistics_are_the_global_batch_under_dp():
+    strategy = _dp8()
+    ref_model, ref_opt = _new_bn()
+    model, opt = jflax.shard(_new_bn(), strategy)
+    ref_step = jflax.make_train_step(_mse, None)
+    step = jflax.make_train_step(_mse, strategy)
+    init = _batch_stats(ref_model)
+    for batch in _bn_batches(3):
+        want = float(ref_step(ref_model, ref_opt, batch))
+        got = float(step(model, opt, batch).numpy())
+        np.testing.assert_allclose(got, want, rtol=RTOL)
+        ref_stats, stats = _batch_stats(ref_model), _batch_stats(model)
+        assert ref_stats.keys() == stats.keys() and len(stats) == 4  # mean, var of bn1 and bn2
+        for k in ref_stats:
+            np.testing.assert_allclose(stats[k], ref_stats[k], rtol=RTOL, atol=1e-6, err_msg=k)
+    # the statistics moved (towards the data's mean 2 / var 9 for bn1), stored B
+    assert not np.allclose(_batch_stats(model)["bn1/mean"], init["bn1/mean"])
+    assert all(v == "(B)" for p, v in jflax.layouts(model).items() if p.startswith("bn"))
+    # the running statistics of one device's shard would differ: they really are global
+    x = _bn_batches(1)[0][0]
+    assert not np.allclose(x[:2].mean(axis=(0, 1, 2)), x.mean(axis=(0, 1, 2)), atol=1e-2)
+    # eval mode reads the running statistics (no update)
+    plain = jflax.gather(model)
+    plain.eval()
+    before = _batch_stats(plain)
+    plain(x)
+    for k, v in _batch_stats(plain).items():
+        np.testing.assert_array_equal(v, before[k])
