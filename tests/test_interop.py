@@ -1,0 +1,295 @@
+"""JAX interop (issue 17 items 3, 4): jsbp speaks JAX's own sharding vocabulary both ways.
+
+* ``x.to_jax()`` / ``jsbp.tensor(jax_array)`` / ``jsbp.named_sharding``: round trips for every nd-sbp
+  of 1-d and 2-d tensors on a (4,) and a (2, 2) placement, even (the same device buffers, no copy)
+  and uneven (``to_jax`` raises naming the dim).
+* Inside ``jsbp.jit``, ``reshard`` / ``with_sharding_constraint`` / ``out_sharding=`` (``jnp.dot``,
+  ``einsum``, ``zeros``, ``nnx.Linear``, ``nnx.Embed``) are layout requests, with or without an active
+  ``jax.set_mesh``; results match one device.
+* jsbp works while a ``jax.set_mesh(...)`` context is active (also one of another device set).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jsbp
+from jsbp import sbp
+
+P4 = jsbp.placement("cpu", [0, 1, 2, 3], axis_names=("x",))
+Q22 = jsbp.placement("cpu", [[0, 1], [2, 3]], axis_names=("dp", "tp"))
+PLACEMENTS = {"4": P4, "2x2": Q22}
+ONE = ("S(0)", "S(1)", "B", "P")
+
+
+def explicit(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+
+
+def value(shape, seed=0):
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def layouts(plc, ndim):
+    per_axis = [s for s in ONE if not s.startswith("S(") or int(s[2]) < ndim]
+    return list(itertools.product(per_axis, repeat=plc.ndim))
+
+
+def pointers(arr):
+    return {s.device.id: s.data.unsafe_buffer_pointer() for s in arr.addressable_shards}
+
+
+CASES = [
+    (pname, nd, shape)
+    for pname, plc in PLACEMENTS.items()
+    for ndim, shapes in ((1, [(8,), (7,)]), (2, [(8, 12), (7, 5)]))
+    for nd in layouts(plc, ndim)
+    for shape in shapes
+]
+
+
+# -- GlobalTensor <-> jax.Array ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pname,nd,shape", CASES, ids=[f"{p}-{','.join(nd)}-{'x'.join(map(str, s))}" for p, nd, s in CASES])
+def test_round_trip(pname, nd, shape):
+    plc = PLACEMENTS[pname]
+    v = value(shape, seed=len(shape))
+    x = jsbp.tensor(v, placement=plc, sbp=nd)
+    lay = x.layout
+    if not lay.is_even:
+        d = next(d for d, n in enumerate(shape) if n % lay.ways(d))
+        with pytest.raises(jsbp.SbpError, match=rf"to_jax: dim {d} .*size {shape[d]}.*does not split evenly"):
+            x.to_jax()
+        return
+    a = x.to_jax()
+    assert isinstance(a, jax.Array) and a.shape == shape and a.dtype == v.dtype
+    want = jsbp.named_sharding(plc, nd, len(shape))
+    assert a.sharding == want
+    partial = [plc.axis_names[i] for i, s in enumerate(nd) if s == "P"]
+    assert set(a.sharding.spec.unreduced) == set(partial)
+    y = jsbp.tensor(a)
+    assert y.placement == plc and y.sbp == x.sbp and y.shape == shape
+    np.testing.assert_allclose(y.numpy(), v, rtol=1e-6)
+    if not partial:  # no copy either way: the shards are the very same device buffers
+        assert pointers(a) == pointers(x.physical) == pointers(y.physical)
+        np.testing.assert_array_equal(np.asarray(a), v)
+    else:  # an unreduced array: JAX reduces it on request
+        with jax.set_mesh(a.sharding.mesh):
+            r = jax.jit(lambda t: jax.sharding.reshard(t, P()))(a)
+        np.testing.assert_allclose(np.asarray(r), v, rtol=1e-5, atol=1e-6)
+
+
+def test_named_sharding():
+    assert jsbp.named_sharding(P4, "S(0)", 2).spec == P("x", None)
+    assert jsbp.named_sharding(P4, sbp.split(-1), 2).spec == P(None, "x")
+    assert jsbp.named_sharding(P4, "B", 1).spec == P(None)
+    assert jsbp.named_sharding(P4, "P", 1).spec == P(None, unreduced={"x"})
+    assert jsbp.named_sharding(Q22, ("S(1)", "S(1)"), 2).spec == P(None, ("dp", "tp"))  # outer axis first
+    assert jsbp.named_sharding(Q22, ("S(0)", "P"), 2).spec == P("dp", None, unreduced={"tp"})
+    s = jsbp.named_sharding(Q22, ("B", "S(0)"), 3)
+    assert isinstance(s, NamedSharding) and s.mesh.axis_names == ("dp", "tp")
+    assert [d.id for d in s.mesh.devices.flat] == [0, 1, 2, 3]
+    assert all(t == AxisType.Explicit for t in s.mesh.axis_types)  # JAX allows unreduced only there
+    with pytest.raises(jsbp.SbpError, match="partial"):
+        jsbp.named_sharding(P4, sbp.partial_max, 1)
+    with pytest.raises(jsbp.SbpError, match="split dim 2"):
+        jsbp.named_sharding(P4, "S(2)", 2)
+    with pytest.raises(jsbp.SbpError, match="ndim"):
+        jsbp.named_sharding(P4, "B", -1)
+
+
+def test_tensor_of_a_user_array_reads_placement_and_sbp():
+    mesh = explicit((2, 2), ("dp", "tp"))
+    v = value((8, 6))
+    arr = jax.device_put(v, NamedSharding(mesh, P("dp", None)))
+    x = jsbp.tensor(arr)
+    assert x.placement == Q22 and x.sbp == (sbp.split(0), sbp.broadcast)
+    assert pointers(x.physical) == pointers(arr)  # no copy
+    np.testing.assert_array_equal(x.numpy(), v)
+    # an Auto-axis mesh (jax.sharding.Mesh) and a tuple of axes on one dim
+    auto = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+    arr2 = jax.device_put(v, NamedSharding(auto, P(("dp", "tp"), None)))
+    y = jsbp.tensor(arr2)
+    assert y.placement == Q22 and y.sbp == (sbp.split(0), sbp.split(0))
+    assert pointers(y.physical) == pointers(arr2)
+    # sbp= / dtype= box and cast the array's own layout
+    z = jsbp.tensor(arr, sbp=("B", "S(1)"), dtype=jnp.bfloat16)
+    assert z.placement == Q22 and z.sbp == (sbp.broadcast, sbp.split(1)) and z.dtype == jnp.bfloat16
+    # an unreduced array: its addends become P
+    adds = [jax.device_put(np.full((3,), float(i), np.float32), d) for i, d in enumerate(jax.devices()[:4])]
+    u = jax.make_array_from_single_device_arrays((3,), NamedSharding(explicit((4,), ("x",)), P(None, unreduced={"x"})), adds)
+    pu = jsbp.tensor(u)
+    assert pu.placement == P4 and pu.sbp == (sbp.partial_sum,)
+    np.testing.assert_array_equal(pu.numpy(), np.full((3,), 6.0))
+
+
+def test_tensor_of_a_user_array_errors():
+    mesh = explicit((2, 2), ("dp", "tp"))
+    v = value((8, 6))
+    with pytest.raises(jsbp.SbpError, match=r"splits dim 0 over \('tp', 'dp'\).*placement order"):
+        jsbp.tensor(jax.device_put(v, NamedSharding(mesh, P(("tp", "dp"), None))))
+    with pytest.raises(jsbp.PlacementError, match="placement"):
+        jsbp.tensor(jnp.asarray(v))  # one device, no mesh: placement= is needed
+
+
+def test_to_jax_under_a_transformation_is_the_logical_value():
+    x = jsbp.tensor(value((7, 5)), placement=Q22, sbp=("P", "S(0)"))  # uneven and partial
+    out = jax.jit(lambda t: t.to_jax() * 2)(x)
+    np.testing.assert_allclose(np.asarray(out), x.numpy() * 2, rtol=1e-6)
+
+
+# -- JAX's sharding calls inside jsbp.jit -------------------------------------------------------------
+
+
+def mlp(x, w1, w2):
+    h = jnp.tanh(jnp.dot(x, w1, out_sharding=P("x", None)))
+    h = jax.sharding.reshard(h, P(None, "x"))
+    seen.append(jax.typeof(h).sharding.spec)
+    y = jnp.einsum("ij,jk->ik", h, w2, out_sharding=P("x", None))
+    return y + jnp.zeros(y.shape, out_sharding=P("x"))
+
+
+seen: list = []
+
+
+def one_device(fn, names, *args):
+    with jax.set_mesh(explicit((1,) * len(names), names)):
+        return jax.jit(fn)(*args)
+
+
+@pytest.mark.parametrize("with_mesh", [True, False], ids=["set_mesh", "no_mesh"])
+def test_mlp_with_out_sharding_and_reshard(with_mesh):
+    xv, w1v, w2v = value((8, 6), 1), value((6, 16), 2), value((16, 4), 3)
+    ref = np.asarray(one_device(mlp, ("x",), xv, w1v, w2v))
+    x = jsbp.tensor(xv, placement=P4, sbp="B")
+    w1 = jsbp.tensor(w1v, placement=P4, sbp="S(1)")
+    w2 = jsbp.tensor(w2v, placement=P4, sbp="S(0)")
+    f = jsbp.jit(mlp)
+    seen.clear()
+    if with_mesh:
+        with jax.set_mesh(explicit((4,), ("x",))):
+            y = f(x, w1, w2)
+            plan = str(jsbp.explain(f, x, w1, w2))
+    else:
+        y = f(x, w1, w2)
+        plan = str(jsbp.explain(f, x, w1, w2))
+    assert seen and seen[0] == P(None, "x")  # jax.typeof(...).sharding works while tracing
+    assert y.sbp == (sbp.split(0),)  # the last request
+    np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5)
+    rows = [r for r in plan.splitlines() if r.startswith("reshard")]
+    assert len(rows) == 4  # dot's and einsum's out_sharding=, the reshard, zeros' out_sharding=
+    assert any("(P)->(S(0)) [reduce-scatter]" in r for r in rows)  # einsum's partial result, boxed
+    assert any("(S(0))->(S(1)) [all-to-all]" in r for r in rows)  # the reshard
+
+
+def test_requests_keep_p_split_over_tuples_and_count():
+    mesh = explicit((2, 2), ("dp", "tp"))
+
+    def f(a, b):
+        a = jax.sharding.reshard(a, P(None, ("dp", "tp")))
+        b = jax.sharding.reshard(b, P(("dp", "tp"), None))
+        return jnp.dot(a, b, out_sharding=P(None, None, unreduced={"dp", "tp"}))
+
+    av, bv = value((4, 8), 4), value((8, 4), 5)
+    a, b = jsbp.tensor(av, placement=Q22, sbp=("B", "B")), jsbp.tensor(bv, placement=Q22, sbp=("B", "B"))
+    with jax.set_mesh(mesh):
+        y = jsbp.jit(f)(a, b)
+        counts = jsbp.debug.count_collectives(jsbp.jit(f), a, b)
+    assert y.sbp == (sbp.partial_sum, sbp.partial_sum)  # an unreduced axis is P
+    assert sum(counts.values()) == 0  # B -> S is a local slice, the contraction stays partial
+    np.testing.assert_allclose(y.numpy(), av @ bv, rtol=1e-5, atol=1e-5)
+
+
+def test_with_sharding_constraint_is_a_request():
+    auto = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+
+    def g(x, w):
+        h = jax.lax.with_sharding_constraint(x @ w, NamedSharding(auto, P(None, "tp")))
+        return jax.lax.with_sharding_constraint(jnp.sin(h), NamedSharding(auto, P("dp", "tp")))
+
+    xv, wv = value((8, 12), 6), value((12, 4), 7)
+    x = jsbp.tensor(xv, placement=Q22, sbp=("S(0)", "S(1)"))
+    w = jsbp.tensor(wv, placement=Q22, sbp=("B", "S(1)"))
+    for ctx in (None, auto):
+        f = jsbp.jit(g)
+        if ctx is None:
+            y = f(x, w)
+        else:
+            with jax.set_mesh(ctx):
+                y = f(x, w)
+        assert y.sbp == (sbp.split(0), sbp.split(1))
+        np.testing.assert_allclose(y.numpy(), np.sin(xv @ wv), rtol=1e-5, atol=1e-5)
+    steps = [r for r in str(jsbp.explain(jsbp.jit(g), x, w)).splitlines() if r.startswith("sharding_constraint")]
+    assert len(steps) == 2 and "(B, S(1))" in steps[0]
+
+
+def test_a_mesh_axis_the_placement_lacks_is_an_error():
+    other = jsbp.placement("cpu", [0, 1, 2, 3], axis_names=("y",))
+    a = jsbp.tensor(value((4, 8)), placement=other, sbp="B")
+    with jax.set_mesh(explicit((4,), ("x",))):
+        with pytest.raises(jsbp.SbpError, match=r"mesh axis 'x'.*placement cpu:4\['y'\]"):
+            jsbp.jit(lambda t: jax.sharding.reshard(t, P(None, "x")))(a)
+    smaller = jsbp.placement("cpu", [0, 1], axis_names=("x",))
+    b = jsbp.tensor(value((4, 8)), placement=smaller, sbp="B")
+    four = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))  # Auto axes: a constraint
+    with pytest.raises(jsbp.SbpError, match=r"mesh axis 'x' has size 4.*2 devices"):
+        jsbp.jit(lambda t: jax.lax.with_sharding_constraint(t, NamedSharding(four, P("x"))))(b)
+
+
+@pytest.mark.parametrize("with_mesh", [True, False], ids=["set_mesh", "no_mesh"])
+def test_flax_linear_and_embed_with_out_sharding(with_mesh):
+    nnx = pytest.importorskip("flax.nnx")
+    emb = nnx.Embed(16, 8, rngs=nnx.Rngs(0))
+    lin = nnx.Linear(8, 12, rngs=nnx.Rngs(1))
+
+    def loss(tok, w):
+        h = emb(tok, out_sharding=P("dp", None))
+        h = lin(h, out_sharding=P("dp", "tp"))
+        h = jax.sharding.reshard(h, P("dp", None))
+        return jnp.sum(jnp.tanh(h) @ w)
+
+    tokv, wv = (np.arange(8) * 5 % 16).astype(np.int32), value((12, 4), 8)
+    ref = float(one_device(loss, ("dp", "tp"), tokv, wv))
+    gref = np.asarray(one_device(jax.grad(loss, argnums=1), ("dp", "tp"), tokv, wv))
+    tok = jsbp.tensor(tokv, placement=Q22, sbp=("S(0)", "B"))
+    w = jsbp.tensor(wv, placement=Q22, sbp=("B", "S(1)"))
+
+    def run():
+        return jsbp.jit(loss)(tok, w), jsbp.jit(jax.grad(loss, argnums=1))(tok, w)
+
+    if with_mesh:
+        with jax.set_mesh(explicit((2, 2), ("dp", "tp"))):
+            y, g = run()
+    else:
+        y, g = run()
+    np.testing.assert_allclose(float(y), ref, rtol=1e-5)
+    np.testing.assert_allclose(g.numpy(), gref, rtol=1e-5, atol=1e-5)
+
+
+# -- jsbp under an active jax.set_mesh ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,names", [((4,), ("x",)), ((2, 4), ("a", "b"))], ids=["same_devices", "eight_devices"])
+def test_jsbp_works_under_set_mesh(shape, names):
+    v = value((8, 6), 9)
+    with jax.set_mesh(explicit(shape, names)):
+        x = jsbp.tensor(v, placement=P4, sbp="S(0)")
+        np.testing.assert_array_equal(x.to_global(sbp="B").numpy(), v)  # boxing
+        np.testing.assert_allclose((x * 2 + 1).numpy(), v * 2 + 1, rtol=1e-6)  # eager op
+        r = jsbp.randn(8, 6, key=0, placement=P4, sbp="S(1)")
+        np.testing.assert_array_equal(r.numpy(), jsbp.randn(8, 6, key=0, placement=P4, sbp="B").numpy())
+        y = jsbp.jit(lambda a: jnp.tanh(a).sum(0))(x)
+        np.testing.assert_allclose(y.numpy(), np.tanh(v).sum(0), rtol=1e-5)
+        m = jsbp.mirrored(lambda a: a * 3, placement=P4)([np.full(2, float(i)) for i in range(4)])
+        assert [np.asarray(a).tolist() for a in m] == [[3.0 * i] * 2 for i in range(4)]
+        assert jsbp.debug.count_collectives(jsbp.jit(lambda t: jsbp.to_global(t, sbp="B")), x)["all-gather"] == 1
+        if shape == (4,):  # the eager API under the user's own jax.jit: JAX wants one device set there
+            assert jsbp.debug.count_collectives(lambda t: t.to_global(sbp="B"), x)["all-gather"] == 1
