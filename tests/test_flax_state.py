@@ -251,3 +251,94 @@ def test_batchnorm_statistics_are_the_global_batch_under_dp():
     plain(x)
     for k, v in _batch_stats(plain).items():
         np.testing.assert_array_equal(v, before[k])
+
+
+# ------------------------------------------------------------------------------------------------
+# Flax's sharding metadata, every form
+# ------------------------------------------------------------------------------------------------
+
+
+def _meta_layouts(kernel_meta, strategy, *, bias_meta=None, shape=(16, 32)):
+    class One(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(
+                *shape, kernel_metadata=kernel_meta, bias_metadata=bias_meta or {}, rngs=rngs
+            )
+
+    with nnx.use_eager_sharding(False):
+        model = One(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    model, opt = jflax.shard((model, opt), strategy)
+    return jflax.layouts(model), jflax.layouts(opt)
+
+
+P_ = jax.sharding.PartitionSpec
+
+
+@pytest.mark.parametrize(
+    "meta, want",
+    [
+        (("embed", "mlp"), "(B, S(1))"),  # logical names, mapped by logical_axes
+        (P_("dp", None), "(S(0), B)"),  # mesh axis names = placement axis names
+        (P_(None, "tp"), "(B, S(1))"),
+        (P_("tp"), "(B, S(0))"),  # shorter than the rank (legal JAX): the rest is unsplit
+        (("tp",), "(B, S(0))"),
+        (P_(("dp", "tp")), "(S(0), S(0))"),  # one dim over two axes
+        (P_("embed", "mlp"), "(B, S(1))"),  # a PartitionSpec of logical names
+        (("vocab", "heads"), "(B, B)"),  # names nothing maps: B, no error
+        (P_("data", None), "(B, B)"),
+        (P_(None, P_.UNCONSTRAINED), "(B, B)"),
+        ("tp", "(B, S(0))"),  # a single name
+        (None, "(B, B)"),
+    ],
+)
+def test_sharding_metadata_forms(meta, want):
+    strategy = jflax.Strategy(_plc((2, 4), ("dp", "tp")), logical_axes={"mlp": "tp", "embed": None})
+    lay, opt_lay = _meta_layouts({"out_sharding": meta} if meta is not None else {}, strategy)
+    assert lay["fc/kernel"] == want
+    assert opt_lay["opt_state/0/mu/fc/kernel"] == want  # the moments follow their parameter
+
+
+def test_sharding_metadata_named_sharding_and_with_partitioning():
+    plc = _plc((2, 4), ("dp", "tp"))
+    mesh = plc.mesh  # a mesh whose axis names are the placement's
+    other = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    strategy = jflax.Strategy(plc, logical_axes={"model": "tp"})
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            ns = jax.sharding.NamedSharding
+            init = nnx.initializers.lecun_normal()
+            self.a = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(init, ns(mesh, P_(None, "tp"))), rngs=rngs)
+            self.b = nnx.Linear(32, 16, kernel_init=nnx.with_partitioning(init, ns(mesh, P_("tp"))), rngs=rngs)
+            # another mesh's axis names: read through logical_axes ("model" -> tp), else B
+            self.c = nnx.Linear(16, 16, kernel_init=nnx.with_partitioning(init, ns(other, P_("data", "model"))), rngs=rngs)
+            self.d = nnx.Linear(16, 8, kernel_init=nnx.with_partitioning(init, P_("dp")), rngs=rngs)
+
+        def __call__(self, x):
+            return self.d(self.c(self.b(jax.nn.relu(self.a(x)))))
+
+    with nnx.use_eager_sharding(False):
+        ref = Net(nnx.Rngs(0))
+        model = Net(nnx.Rngs(0))
+    lay = jflax.layouts(jflax.shard(model, strategy))
+    assert (lay["a/kernel"], lay["b/kernel"], lay["c/kernel"], lay["d/kernel"]) == (
+        "(B, S(1))",
+        "(B, S(0))",
+        "(B, S(1))",
+        "(S(0), B)",
+    )
+    # and it trains like one device
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    model, opt = jflax.shard((model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)), strategy)
+    ref_step, step = jflax.make_train_step(_mse, None), jflax.make_train_step(_mse, strategy)
+    for batch in _batches(2, d_in=16, d_out=8):
+        np.testing.assert_allclose(float(step(model, opt, batch)), float(ref_step(ref, ref_opt, batch)), rtol=RTOL)
+
+
+def test_sharding_metadata_errors_teach():
+    strategy = jflax.Strategy(_plc((2, 4), ("dp", "tp")))
+    with pytest.raises(jsbp.SbpError, match="names 3"):
+        _meta_layouts({"out_sharding": ("a", "b", "c")}, strategy)
+    with pytest.raises(jsbp.SbpError, match="sharding metadata"):
+        _meta_layouts({"out_sharding": 3}, strategy)

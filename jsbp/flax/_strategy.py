@@ -25,7 +25,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from .. import _sbp
 from .._errors import SbpError
@@ -64,6 +66,52 @@ def _as_axes(v) -> tuple[str, ...]:
     if isinstance(v, str):
         return (v,)
     return tuple(v)
+
+
+def _entry_name(e, path, meta):
+    if e is None or isinstance(e, str):
+        return e
+    if isinstance(e, (tuple, list)) and all(isinstance(x, str) for x in e):
+        return tuple(e)
+    if e is PartitionSpec.UNCONSTRAINED:
+        return None
+    raise SbpError(
+        f"Strategy: {path!r} has sharding metadata {meta!r}, whose entry {e!r} is neither a name, "
+        "None nor a tuple of names."
+    )
+
+
+def dim_names(meta, rank: int, path: str = "value") -> tuple | None:
+    """One logical name (or ``None``, or a tuple of names) per dim from any form Flax stores in a
+    ``Variable``'s ``out_sharding`` metadata: a tuple / list of names, a ``PartitionSpec``
+    (shorter than the rank, as JAX allows: the rest is unsplit), a ``NamedSharding`` (its spec;
+    its mesh axis names are read as the placement's axes of the same names) or a single name.
+    ``None`` when there is none."""
+    if meta is None:
+        return None
+    m = meta
+    if isinstance(m, jax.sharding.Sharding):
+        m = getattr(m, "spec", None)
+        if m is None:
+            return None
+    if isinstance(m, str):
+        m = (m,)
+    if isinstance(m, PartitionSpec):
+        m = tuple(m)
+    if not isinstance(m, (tuple, list)):
+        raise SbpError(
+            f"Strategy: {path!r} has sharding metadata {meta!r} ({type(meta).__name__}); give logical "
+            "names (a tuple of str / None), a PartitionSpec or a NamedSharding."
+        )
+    names = tuple(_entry_name(e, path, meta) for e in m)
+    if len(names) > rank:
+        raise SbpError(
+            f"Strategy: {path!r} has {rank} dim{'s' if rank != 1 else ''} but its sharding metadata "
+            f"{meta!r} names {len(names)}."
+        )
+    if not any(n is not None for n in names):
+        return None
+    return names + (None,) * (rank - len(names))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -157,17 +205,32 @@ class Strategy:
     def axis_map(self) -> dict[str, tuple[str, ...]]:
         return dict(self.logical_axes)
 
+    def _axes_of(self, name) -> tuple[str, ...]:
+        """The placement axes that split a dim named ``name``: its ``logical_axes`` entry; else,
+        for a name that is a placement axis's own (a mesh axis name in a ``PartitionSpec``), that
+        axis; else none. A tuple of names (a ``PartitionSpec`` entry over several axes) gives the
+        axes of each name, in placement order."""
+        if name is None:
+            return ()
+        if isinstance(name, (tuple, list)):
+            axes = {a for n in name for a in self._axes_of(n)}
+            return tuple(a for a in self.placement.axis_names if a in axes)
+        amap = self.axis_map
+        if name in amap:
+            return amap[name]
+        return (name,) if name in self.placement.axis_names else ()
+
     def sbp_for_names(
         self, names: Sequence[str | None], shape: Sequence[int] | None = None
     ) -> NdSbp:
-        """The nd-sbp of a value whose dims carry these logical names (``None``: unnamed)."""
+        """The nd-sbp of a value whose dims carry these logical names (``None``: unnamed).
+
+        A name maps through ``logical_axes``; a name no entry maps that is a placement axis's
+        name (as in ``PartitionSpec("dp", None)``) is that axis; any other name is not split."""
         plc = self.placement
         nd: list[_sbp.Sbp] = [B] * plc.ndim
-        amap = self.axis_map
         for d, name in enumerate(names):
-            if name is None:
-                continue
-            for a in amap.get(name, ()):
+            for a in self._axes_of(name):
                 i = plc.axis_names.index(a)
                 if nd[i] is not B:
                     raise SbpError(
@@ -201,12 +264,8 @@ class Strategy:
                     )
                 except SbpError as e:
                     raise SbpError(f"{e} (pattern {rx.pattern!r} matched {path!r})") from None
+        names = dim_names(names, len(shape), path)
         if names:
-            if len(names) != len(shape):
-                raise SbpError(
-                    f"Strategy: {path!r} has shape {tuple(shape)} but its logical names {tuple(names)} "
-                    f"name {len(names)} dims."
-                )
             return self.sbp_for_names(names, shape)
         return (B,) * self.placement.ndim
 
