@@ -542,6 +542,10 @@ def test_docs_flax_example_runs():
     lay = jflax.layouts(ns["model"])
     assert lay["fc1/kernel"] == "(B, S(1))" and lay["fc2/kernel"] == "(B, S(0))"
     assert jflax.layouts(ns["optimizer"])["opt_state/0/mu/fc1/kernel"] == "(S(0), S(1))"  # ZeRO-1
-    kinds = ns["step"].explain(ns["model"], ns["optimizer"], ns["batch"]).collectives()
+    kinds = ns["step"].explain(ns["model"], ns["optimizer"], ns["batch"], ns["rngs"]).collectives()
     assert kinds["all-reduce"] > 0 and kinds["all-gather"] > 0 and kinds["reduce-scatter"] == 0
     assert not isinstance(ns["plain"].fc1.kernel.get_value(), jsbp.GlobalTensor)
+    # dropout drew a new mask every step; BatchNorm's statistics moved and are B
+    assert int(ns["rngs"].dropout.count.get_value().numpy()) == 3
+    assert lay["bn/mean"] == "(B, B)" and np.abs(ns["plain"].bn.mean.get_value()).max() > 0
+    assert np.all(np.isfinite(np.asarray(ns["y"])))

@@ -342,3 +342,91 @@ def test_sharding_metadata_errors_teach():
         _meta_layouts({"out_sharding": ("a", "b", "c")}, strategy)
     with pytest.raises(jsbp.SbpError, match="sharding metadata"):
         _meta_layouts({"out_sharding": 3}, strategy)
+
+
+# ------------------------------------------------------------------------------------------------
+# call-time RNGs: step(model, optimizer, batch, rngs) -> loss_fn(model, batch, rngs)
+# ------------------------------------------------------------------------------------------------
+
+
+class CallDrop(nnx.Module):
+    """Flax's call-time idiom: dropout layers hold no rngs, ``__call__`` takes ``rngs=``."""
+
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(8, 32, kernel_init=_part("embed", "mlp"), rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+        self.fc2 = nnx.Linear(32, 4, kernel_init=_part("mlp", "embed"), rngs=rngs)
+
+    def __call__(self, x, *, rngs=None):
+        h = jflax.constrain(x, ("batch", "embed"))
+        return self.fc2(self.drop(jax.nn.relu(self.fc1(h)), rngs=rngs))
+
+
+def _new_call(lr=1e-2):
+    with nnx.use_eager_sharding(False):
+        model = CallDrop(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param)
+
+
+def _mse_rngs(model, batch, rngs):
+    x, t = batch
+    return jnp.mean((model(x, rngs=rngs) - t) ** 2)
+
+
+@pytest.mark.parametrize("make_strategy", [_dp8, _dp2tp4], ids=["dp8", "dp2xtp4"])
+def test_call_time_rngs_match_one_device(make_strategy):
+    strategy = make_strategy()
+    ref_model, ref_opt = _new_call()
+    model, opt = jflax.shard(_new_call(), strategy)
+    ref_rngs, rngs = nnx.Rngs(dropout=3), nnx.Rngs(dropout=3)
+    ref_step = jflax.make_train_step(_mse_rngs, None)
+    step = jflax.make_train_step(_mse_rngs, strategy)
+    for i, batch in enumerate(_batches(3)):
+        want = float(ref_step(ref_model, ref_opt, batch, ref_rngs))
+        got = float(step(model, opt, batch, rngs).numpy())
+        np.testing.assert_allclose(got, want, rtol=RTOL)
+        assert int(_np(rngs.dropout.count.get_value())) == i + 1  # advanced in place
+    assert isinstance(rngs.dropout.key.get_value(), jsbp.GlobalTensor)
+    np.testing.assert_array_equal(_key_data(rngs.dropout.key.get_value()), _key_data(ref_rngs.dropout.key.get_value()))
+
+
+def test_call_time_rngs_give_a_new_mask_every_step():
+    strategy = _dp8()
+    model, opt = jflax.shard(_new_call(lr=0.0), strategy)  # lr 0: only the mask can change the loss
+    rngs = nnx.Rngs(dropout=0)
+    step = jflax.make_train_step(_mse_rngs, strategy)
+    batch = _batches(1)[0]
+    a, b = float(step(model, opt, batch, rngs)), float(step(model, opt, batch, rngs))
+    assert a != b
+    # the same rngs state gives the same mask (the stream is the step's, not the device's)
+    ref_model, ref_opt = _new_call(lr=0.0)
+    ref = jflax.make_train_step(_mse_rngs, None)
+    r = nnx.Rngs(dropout=0)
+    np.testing.assert_allclose([float(ref(ref_model, ref_opt, batch, r)) for _ in range(2)], [a, b], rtol=RTOL)
+    with pytest.raises(jsbp.SbpError, match="nnx.Rngs"):
+        step(model, opt, batch, jax.random.key(0))
+
+
+def _mse_key(model, batch):
+    x, t, key = batch
+    return jnp.mean((model(x, rngs=key) - t) ** 2)
+
+
+def test_key_in_the_batch_matches_one_device():
+    strategy = _dp2tp4()
+    ref_model, ref_opt = _new_call()
+    model, opt = jflax.shard(_new_call(), strategy)
+    ref_step = jflax.make_train_step(_mse_key, None)
+    step = jflax.make_train_step(_mse_key, strategy)
+    base = jax.random.key(11)
+    losses = []
+    for i, (x, t) in enumerate(_batches(3)):
+        key = jax.random.fold_in(base, i)  # one key per step, as jax.random's idiom
+        want = float(ref_step(ref_model, ref_opt, (x, t, key)))
+        got = float(step(model, opt, (x, t, key)).numpy())
+        np.testing.assert_allclose(got, want, rtol=RTOL)
+        losses.append(got)
+    x, t = _batches(1)[0]
+    frozen = jflax.make_train_step(_mse_key, strategy)
+    m0, o0 = jflax.shard(_new_call(lr=0.0), strategy)
+    assert float(frozen(m0, o0, (x, t, jax.random.key(1)))) != float(frozen(m0, o0, (x, t, jax.random.key(2))))

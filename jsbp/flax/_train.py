@@ -31,8 +31,9 @@ import numpy as np
 from flax import nnx
 
 from .._errors import SbpError
+from .._sbp import broadcast as _sbp_broadcast
 from .._jit import jit as sbp_jit
-from .._tensor import GlobalTensor, tensor, to_global
+from .._tensor import GlobalTensor, is_key_dtype, tensor, to_global
 from ._state import leaf_layouts
 from ._strategy import Strategy, activate
 
@@ -79,6 +80,15 @@ class TrainStep:
         def one(x):
             if _is_global(x):
                 return x
+            if is_key_dtype(getattr(x, "dtype", None)):  # a PRNG key in the batch: B, never cut
+                if self.accum > 1:
+                    raise SbpError(
+                        "train step: a PRNG key in the batch cannot be cut into accum micro-batches; "
+                        "pass an nnx.Rngs as step(model, optimizer, batch, rngs) instead."
+                    )
+                if self.strategy is None:
+                    return x
+                return tensor(x, placement=self.strategy.placement, sbp=_sbp_broadcast)
             x = np.asarray(x)
             if self.accum > 1:
                 if x.shape[0] % self.accum:
@@ -104,15 +114,18 @@ class TrainStep:
             lay = plans[(0,) + path]
             return to_global(p, sbp=lay.use, grad_sbp=lay.grad)
 
-        def make(mdef):
+        def make(mdef, rdef=None):
             def loss_of(params, rest, mb):
                 if zero3:
                     params = _map_flat(params, use)
                 # fresh Variables at this trace level: the model may mutate non-Param state in
                 # place (BatchNorm statistics, RNG counts), returned below as the aux output
-                rest = jax.tree.map(lambda v: v, rest)
+                rest, rstate = jax.tree.map(lambda v: v, rest)
                 m = nnx.merge(mdef, params, rest)
-                return loss_fn(m, mb), nnx.state(m, nnx.Not(nnx.Param))
+                if rdef is None:
+                    return loss_fn(m, mb), (nnx.state(m, nnx.Not(nnx.Param)), None)
+                r = nnx.merge(rdef, rstate)  # the call-time nnx.Rngs: its counts advance
+                return loss_fn(m, mb, r), (nnx.state(m, nnx.Not(nnx.Param)), nnx.state(r))
 
             return jax.value_and_grad(loss_of, has_aux=True)
 
@@ -131,9 +144,11 @@ class TrainStep:
             return x if nd is None else to_global(x, sbp=nd)
 
         def step(state, batch):
-            model, optimizer = nnx.merge(graphdef, state)
+            model, optimizer, *rngs = nnx.merge(graphdef, state)
             mdef, params, rest = nnx.split(model, nnx.Param, ...)
-            grad_fn = make_grad_fn(mdef)
+            rdef, rstate = nnx.split(rngs[0]) if rngs else (None, None)
+            rest = (rest, rstate)
+            grad_fn = make_grad_fn(mdef, rdef)
             if accum == 1:
                 (loss, rest), grads = grad_fn(params, rest, batch)
             else:
@@ -157,9 +172,11 @@ class TrainStep:
                 grads = jax.tree.map(lambda g: g / accum, gsum)
                 loss = lsum / accum
             grads = _map_flat(grads, reduce_grad)
-            nnx.update(model, rest)
+            nnx.update(model, rest[0])
+            if rngs:
+                nnx.update(rngs[0], rest[1])
             optimizer.update(model, grads)
-            return nnx.state((model, optimizer)), loss
+            return nnx.state((model, optimizer, *rngs)), loss
 
         if strategy is None:
             return step
@@ -178,9 +195,10 @@ class TrainStep:
 
         def probe(state, mb):
             with activate(strategy):
-                model, _ = nnx.merge(graphdef, state)
+                model, _, *rngs = nnx.merge(graphdef, state)
                 mdef, params, rest = nnx.split(model, nnx.Param, ...)
-                (loss, _), grads = make_grad_fn(mdef)(params, rest, mb)
+                rdef, rstate = nnx.split(rngs[0]) if rngs else (None, None)
+                (loss, _), grads = make_grad_fn(mdef, rdef)(params, (rest, rstate), mb)
                 return jax.tree.leaves(grads), loss
 
         def micro(x):
@@ -219,16 +237,41 @@ class TrainStep:
         ``graphdef, state = nnx.split((model, optimizer))`` and a batch from ``put_batch``."""
         return self._compiled(graphdef, state, batch)
 
-    def __call__(self, model, optimizer, batch):
-        graphdef, state = nnx.split((model, optimizer))
+    def _objects(self, model, optimizer, rngs):
+        if rngs is None:
+            return (model, optimizer)
+        if not isinstance(rngs, nnx.Rngs):
+            raise SbpError(
+                f"train step: rngs must be an nnx.Rngs (e.g. nnx.Rngs(dropout=0)), got {type(rngs).__name__}; "
+                "loss_fn(model, batch, rngs) receives it and its counts advance in place."
+            )
+        if self.strategy is not None and any(
+            isinstance(v, GlobalTensor) and v.placement != self.strategy.placement
+            for v in jax.tree.leaves(nnx.state(rngs), is_leaf=_is_global)
+        ):
+            raise SbpError("train step: rngs live on another placement than the strategy's.")
+        return (model, optimizer, rngs)
+
+    def _split(self, model, optimizer, rngs):
+        objs = self._objects(model, optimizer, rngs)
+        graphdef, state = nnx.split(objs)
+        if rngs is not None and self.strategy is not None:
+            state = _put_rngs(state, self.strategy)
+        return objs, graphdef, state
+
+    def __call__(self, model, optimizer, batch, rngs=None):
+        """One update in place. With ``rngs`` (an ``nnx.Rngs``), ``loss_fn(model, batch, rngs)``
+        receives it — pass it on, Flax's way: ``model(x, rngs=rngs)`` — and its counts advance,
+        so the next step draws new keys (the same ones as on one device)."""
+        objs, graphdef, state = self._split(model, optimizer, rngs)
         batch = self.put_batch(batch)
         fn = self._compiled(graphdef, state, batch)
         new_state, loss = fn(state, batch)
-        nnx.update((model, optimizer), new_state)
+        nnx.update(objs, new_state)
         return loss
 
     # -- reports ----------------------------------------------------------------------------
-    def explain(self, model, optimizer, batch):
+    def explain(self, model, optimizer, batch, rngs=None):
         """``jsbp.explain`` of one step (the plan: every boxing and its collectives)."""
         from .._explain import explain
 
@@ -236,17 +279,34 @@ class TrainStep:
             raise SbpError(
                 "explain: this step has no strategy (it runs on one device with plain jax.jit)."
             )
-        graphdef, state = nnx.split((model, optimizer))
+        _, graphdef, state = self._split(model, optimizer, rngs)
         batch = self.put_batch(batch)
         return explain(self._compiled(graphdef, state, batch), state, batch)
 
-    def count_collectives(self, model, optimizer, batch) -> dict[str, int]:
+    def count_collectives(self, model, optimizer, batch, rngs=None) -> dict[str, int]:
         """The collectives XLA emits for one step (``jsbp.debug.count_collectives``)."""
         from ..debug import count_collectives
 
-        graphdef, state = nnx.split((model, optimizer))
+        _, graphdef, state = self._split(model, optimizer, rngs)
         batch = self.put_batch(batch)
         return count_collectives(self._compiled(graphdef, state, batch), state, batch)
+
+
+def _put_rngs(state, strategy):
+    """The call-time ``nnx.Rngs`` (the last object of the state) on the strategy's placement, B:
+    plain keys / counts are put there (in place), so later steps see global tensors."""
+    from ._state import _put
+
+    b = (_sbp_broadcast,) * strategy.placement.ndim
+    flat = list(nnx.to_flat_state(state))
+    last = max(p[0] for p, _ in flat)
+    out = []
+    for path, var in flat:
+        v = var.get_value()
+        if path[0] == last and not isinstance(v, GlobalTensor):
+            var = var.replace(_put(v, strategy.placement, b))
+        out.append((path, var))
+    return nnx.from_flat_state(out)
 
 
 def _zeros_like_micro(x, nd, placement):
