@@ -430,3 +430,17 @@ def test_key_in_the_batch_matches_one_device():
     frozen = jflax.make_train_step(_mse_key, strategy)
     m0, o0 = jflax.shard(_new_call(lr=0.0), strategy)
     assert float(frozen(m0, o0, (x, t, jax.random.key(1)))) != float(frozen(m0, o0, (x, t, jax.random.key(2))))
+
+
+def test_jax_grad_through_jsbp_jit_with_key_inputs_and_outputs():
+    p = _plc((8,), ("dp",))
+    k = jsbp.tensor(jax.random.key(3), placement=p, sbp="B")
+    x = jsbp.tensor(np.ones((8, 4), np.float32), placement=p, sbp="S(0)")
+    f = jsbp.jit(lambda k, x: (jax.random.split(k)[0], (x * jax.random.normal(k, x.shape)).sum()))
+
+    def g(xv):  # the key output has no cotangent (float0); the backward reads only the loss's
+        k2, y = f(k, jsbp.GlobalTensor(xv, x.layout))
+        return y.to_jax()
+
+    want = np.asarray(jax.random.normal(jax.random.key(3), (8, 4)))
+    np.testing.assert_allclose(np.asarray(jax.grad(g)(x.physical)), want, rtol=1e-6)
