@@ -1,0 +1,35 @@
+"""A zoo of small Flax NNX models written the way Flax's own examples write them (issue 18).
+
+Each module exposes
+
+* ``make(rngs) -> model``: the model in training mode (dropout on, batch statistics updated);
+  dropout layers hold their own ``rngs`` stream (``nnx.Dropout(rate, rngs=rngs)``, as the
+  jax-ai-stack ViT / miniGPT tutorials do), so ``loss_fn(model, batch)`` needs no key argument
+  and the RNG counters travel with the model state through the train step;
+* ``batch(seed) -> batch``: a host batch (numpy arrays), the same for every layout;
+* ``loss_fn(model, batch) -> scalar``;
+* ``RULES``: the tensor-parallel (Megatron) layout rules —
+  ``{"logical_axes": {name: "tp" | None}, "param_sbp": [(regex, sbp on the tp axis)]}``;
+  ``tests/test_model_zoo.py`` turns them into a ``jsbp.flax.Strategy`` for each placement.
+
+Sizes are tiny (d_model 32, 2 layers, batch 16) so a step compiles in seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from flax import nnx
+
+MODELS = ("cnn", "vit", "lstm", "scan_mlp", "decoder_lm", "moe")
+
+ACT = ("batch", "seq", "embed")  # a sequence model's residual stream
+
+
+def part(init, *names):
+    """Flax's logical-axis metadata on an initializer (``nnx.with_partitioning``)."""
+    return nnx.with_partitioning(init, names)
+
+
+def load(name: str):
+    return importlib.import_module(f"{__name__}.{name}")
