@@ -549,6 +549,26 @@ def collective_dtype(dtype, partial: bool):
     return jnp.int32 if partial else jnp.uint8
 
 
+def _extremum_all_reduce(x, axis_name, kind: str):
+    """``pmax`` / ``pmin`` that propagate NaN as ``jnp.max`` / ``jnp.min`` do. XLA:CPU's max
+    all-reduce drops NaN (a NaN on one device came back as the others' maximum), so floats travel
+    as integer keys in IEEE total order (``-0.0 < 0.0``, as JAX's max / min of zeros answer), with
+    NaN mapped to the largest key for a max and the smallest for a min: integer extrema are exact
+    on every backend, and the key maps back to the float it came from."""
+    red = lax.pmax if kind == "max" else lax.pmin
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return red(x, axis_name)
+    itype = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
+    info = jnp.iinfo(itype)
+
+    def flip(i):  # an involution: negative floats' magnitude bits reversed, sign kept
+        return i ^ ((i >> (info.bits - 1)) & info.max)
+
+    key = flip(lax.bitcast_convert_type(x, itype))
+    key = jnp.where(jnp.isnan(x), jnp.asarray(info.max if kind == "max" else info.min, itype), key)
+    return lax.bitcast_convert_type(flip(red(key, axis_name)), x.dtype)
+
+
 def _apply_move(x, mv: Move, before: Layout, after: Layout):
     """Run one move on a device's local block ``x`` (padded, partial dim already squeezed)."""
     if mv.collective and (wide := collective_dtype(x.dtype, mv.src.is_partial)) is not None:
@@ -566,8 +586,9 @@ def _apply_move(x, mv: Move, before: Layout, after: Layout):
             x = _take(x, i, _merge_table(after.valid_sizes(i), k, after.local_shape[i], before.local_shape[i]), None, plc)
         return x
     if src.is_partial and dst.is_broadcast:
-        red = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[src.reduce]
-        return red(x, axis_name)
+        if src.reduce == "sum":
+            return lax.psum(x, axis_name)
+        return _extremum_all_reduce(x, axis_name, src.reduce)
     if src.is_partial and dst.is_split:
         j = dst.dim
         if not before.is_even or not after.is_even:

@@ -241,6 +241,8 @@ class _Inference:
         handler = _HIGHER_ORDER.get(name)
         if handler is None and _call_jaxpr(eqn) is not None and name not in _registry.registered():
             handler = _infer_call
+        if name in _ARG_EXTREMA and any(x.is_split and x.dim in eqn.params["axes"] for x in cur[0].nd_sbp):
+            handler = _infer_arg_extremum
         if handler is not None:
             st = handler(self, eqn, cur)
             if self.depth == 1 and st.kind != "call":
@@ -624,6 +626,46 @@ def _infer_call(inf: _Inference, eqn, cur):
     if fresh is None:
         fresh = inf.copies[eqn] = _fresh_vars(jaxpr)
     jaxpr = fresh
+    sub = inf.program(jaxpr, consts, cur, inline_of=list(eqn.invars))
+    _alias_outputs(inf.alias, eqn.outvars, jaxpr.outvars)
+    return Step(eqn, list(cur), sub.out_layouts, [], sub=sub, kind="call")
+
+
+_ARG_EXTREMA = {"argmax": "max", "argmin": "min"}
+
+
+def _arg_extremum_jaxpr(eqn):
+    """``argmax`` / ``argmin`` written with reductions that have partial layouts: the extremum
+    (``Pmax`` / ``Pmin`` over a split dim, one small all-reduce), then the least index that holds
+    it (``Pmin``, another). Exactly JAX's answer: NaN counts as the extremum and the first of
+    equal values wins (-0.0 and 0.0 are equal, as in JAX's comparisons)."""
+    (d,) = eqn.params["axes"]
+    index_dtype = eqn.params["index_dtype"]
+    (x_aval,) = [v.aval for v in eqn.invars]
+    find = jnp.max if _ARG_EXTREMA[eqn.primitive.name] == "max" else jnp.min
+
+    def arg_extremum(x):
+        m = find(x, axis=d, keepdims=True)
+        hit = x == m
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            hit = hit | (jnp.isnan(x) & jnp.isnan(m))
+        idx = lax.broadcasted_iota(index_dtype, x.shape, d)
+        return jnp.min(jnp.where(hit, idx, jnp.asarray(x.shape[d], index_dtype)), axis=d)
+
+    import jax
+
+    closed = jax.make_jaxpr(arg_extremum)(jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype))
+    return closed.jaxpr, list(closed.consts)
+
+
+def _infer_arg_extremum(inf: _Inference, eqn, cur):
+    """``argmax`` / ``argmin`` over a split dim: inferred as ``_arg_extremum_jaxpr`` (two small
+    all-reduces of the result's size) instead of gathering the whole operand."""
+    key = ("arg_extremum", eqn)
+    hit = inf.copies.get(key)
+    if hit is None:
+        hit = inf.copies[key] = _arg_extremum_jaxpr(eqn)
+    jaxpr, consts = hit
     sub = inf.program(jaxpr, consts, cur, inline_of=list(eqn.invars))
     _alias_outputs(inf.alias, eqn.outvars, jaxpr.outvars)
     return Step(eqn, list(cur), sub.out_layouts, [], sub=sub, kind="call")

@@ -370,3 +370,50 @@ def test_from_local_takes_bfloat16_and_float8_locals():
         assert x.dtype == np.dtype(dt)
         np.testing.assert_array_equal(x.numpy(), v)
         assert jsbp.full((2,), np.asarray(1.5, dt), placement=P4, sbp="B").dtype == np.dtype(dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# NaN through a partial max / min (XLA:CPU's max all-reduce dropped it)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_nan_survives_the_reduction_of_a_partial_max(dtype):
+    v = np.arange(32.0).reshape(8, 4).astype(dtype)
+    v[0, 1] = np.nan
+    v[5, 3] = -np.inf
+    x = t(v, sbp="S(0)")
+    ref_max, ref_min = np.asarray(jnp.max(jnp.asarray(v), 0)), np.asarray(jnp.min(jnp.asarray(v), 0))
+    # reduced inside the program (all-reduce of Pmax / Pmin), not on read
+    got = jsbp.jit(lambda a: (jnp.isnan(jnp.max(a, 0)), jnp.max(a, 0, keepdims=True) * 1, jnp.min(a, 0) + 0),
+                   out_sbp="B")(x)
+    f32 = lambda a: np.asarray(a).astype(np.float32)  # numpy's NaN == NaN check needs a float it knows
+    np.testing.assert_array_equal(got[0].numpy(), np.isnan(f32(ref_max)))
+    np.testing.assert_array_equal(f32(got[1].numpy()[0]), f32(ref_max))
+    np.testing.assert_array_equal(f32(got[2].numpy()), f32(ref_min))
+    # a partial max boxed eagerly, with signed zeros: max(-0, 0) = 0 and min(-0, 0) = -0 as in JAX
+    z = np.array([-0.0, 0.0, -0.0, 0.0], np.float32)
+    for kind, ref in (("max", jnp.max), ("min", jnp.min)):
+        pz = jsbp.jit(lambda a, ref=ref: ref(a.reshape(4, 1), axis=0))(t(z, sbp="S(0)"))
+        b = pz.to_global(sbp="B").numpy()
+        assert np.signbit(b[0]) == np.signbit(np.asarray(ref(jnp.asarray(z)))), kind
+
+
+@pytest.mark.parametrize("fn", [jnp.argmax, jnp.argmin])
+@pytest.mark.parametrize("plc,sbp", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("S(1)", "S(1)"))])
+def test_arg_extrema_over_a_split_dim(fn, plc, sbp):
+    """argmax / argmin over a split dim: exact (ties: first index; NaN counts as the extremum;
+    bool and ints) without gathering the operand."""
+    rng = np.random.default_rng(5)
+    for v in (
+        rng.integers(-3, 3, size=(7, 5)).astype(np.float32),  # many ties
+        np.where(rng.random((7, 5)) < 0.1, np.nan, rng.standard_normal((7, 5))).astype(np.float32),
+        rng.integers(-3, 3, size=(7, 5)).astype(np.int32),
+        rng.random((7, 5)) < 0.5,
+    ):
+        x = t(v, plc, sbp)
+        for axis in (0, 1):
+            f = lambda a, axis=axis: fn(a, axis=axis)
+            np.testing.assert_array_equal(jsbp.jit(f)(x).numpy(), np.asarray(f(jnp.asarray(v))))
+    big = t(rng.standard_normal((16, 64)).astype(np.float32), plc, sbp)
+    counts = jsbp.debug.count_collectives(jsbp.jit(lambda a: fn(a, axis=1)), big)
+    assert counts["all-gather"] == 0 and counts["all-to-all"] == 0
