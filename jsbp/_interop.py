@@ -183,7 +183,8 @@ def physical_from_array(arr: jax.Array, lay: Layout):
         if arr.sharding.mesh is lay.placement.mesh or arr.sharding == lay.sharding:
             return arr
         return jax.make_array_from_single_device_arrays(lay.physical_shape, lay.sharding, [s.data for s in shards])
-    datas = [s.data[None] for s in shards]
+    with no_context_mesh():  # a device-side reshape of each addend, whatever mesh the user has set
+        datas = [s.data[None] for s in shards]
     return jax.make_array_from_single_device_arrays(lay.physical_shape, lay.sharding, datas)
 
 
@@ -202,7 +203,8 @@ def to_jax_array(x) -> jax.Array:
     ns = NamedSharding(explicit_mesh(lay.placement), _spec(lay.placement, lay.nd_sbp, len(lay.shape), "to_jax"))
     phys = x.physical
     shards = phys.addressable_shards
-    datas = [s.data[0] for s in shards] if lay.partial_axes else [s.data for s in shards]
+    with no_context_mesh():  # a device-side slice of each addend, whatever mesh the user has set
+        datas = [s.data[0] for s in shards] if lay.partial_axes else [s.data for s in shards]
     return jax.make_array_from_single_device_arrays(lay.shape, ns, datas, dtype=phys.dtype)
 
 

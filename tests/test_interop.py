@@ -291,6 +291,10 @@ def test_jsbp_works_under_set_mesh(shape, names):
         m = jsbp.mirrored(lambda a: a * 3, placement=P4)([np.full(2, float(i)) for i in range(4)])
         assert [np.asarray(a).tolist() for a in m] == [[3.0 * i] * 2 for i in range(4)]
         assert jsbp.debug.count_collectives(jsbp.jit(lambda t: jsbp.to_global(t, sbp="B")), x)["all-gather"] == 1
+        for nd in ("S(0)", "P"):  # to_jax / tensor(jax_array) round trip
+            t = jsbp.tensor(x.to_jax() if nd == "S(0)" else x.to_global(sbp="P").to_jax())
+            assert t.sbp == (sbp.parse(nd),) and t.placement == P4
+            np.testing.assert_allclose(t.numpy(), v, rtol=1e-6)
         if shape == (4,):  # the eager API under the user's own jax.jit: JAX wants one device set there
             assert jsbp.debug.count_collectives(lambda t: t.to_global(sbp="B"), x)["all-gather"] == 1
 
