@@ -320,7 +320,7 @@ def requested_nd(eqn, cur: Layout, plc: Placement):
     unconstrained = set(eqn.params.get("unconstrained_dims", ()) or ())
     unconstrained |= {d for d, e in enumerate(getattr(spec, "partitions", spec)) if e is PartitionSpec.UNCONSTRAINED}
     keep = []
-    for a, n in enumerate(plc.axis_names):
+    for n in plc.axis_names:
         if n not in mesh.axis_names:
             keep.append(True)
         elif name == "reshard" and types.get(n) not in (None, AxisType.Explicit):
