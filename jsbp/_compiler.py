@@ -243,6 +243,8 @@ class _Inference:
             handler = _infer_call
         if name in _ARG_EXTREMA and any(x.is_split and x.dim in eqn.params["axes"] for x in cur[0].nd_sbp):
             handler = _infer_arg_extremum
+        elif name in _SCANS and _scan_blocks(eqn, cur[0]) > 1:
+            handler = _infer_blocked_scan
         if handler is not None:
             st = handler(self, eqn, cur)
             if self.depth == 1 and st.kind != "call":
@@ -665,6 +667,71 @@ def _infer_arg_extremum(inf: _Inference, eqn, cur):
     hit = inf.copies.get(key)
     if hit is None:
         hit = inf.copies[key] = _arg_extremum_jaxpr(eqn)
+    jaxpr, consts = hit
+    sub = inf.program(jaxpr, consts, cur, inline_of=list(eqn.invars))
+    _alias_outputs(inf.alias, eqn.outvars, jaxpr.outvars)
+    return Step(eqn, list(cur), sub.out_layouts, [], sub=sub, kind="call")
+
+
+_SCANS = {"cumsum": jnp.cumsum, "cumprod": jnp.cumprod, "cummax": None, "cummin": None}
+
+
+def _scan_blocks(eqn, lay: Layout) -> int:
+    """The number of blocks a cumulative op's dim is split into when they are even and longer
+    than one element (else 1: the op is left to its rule, which gathers; the block totals of a
+    decomposed scan are such a case)."""
+    d = eqn.params["axis"]
+    k = lay.ways(d)
+    return k if k > 1 and lay.shape[d] % k == 0 and lay.shape[d] // k > 1 else 1
+
+
+def _blocked_scan_jaxpr(eqn, k: int):
+    """``cumsum`` / ``cumprod`` / ``cummax`` / ``cummin`` along a dim split evenly into ``k``
+    blocks: each block scans its own elements, the ``k`` block totals (a small array) are
+    scanned exclusively, and each block combines its offset in. Only the totals move."""
+    d, reverse = eqn.params["axis"], eqn.params["reverse"]
+    (x_aval,) = [v.aval for v in eqn.invars]
+    name = eqn.primitive.name
+    op = {"cumsum": lax.cumsum, "cumprod": lax.cumprod, "cummax": lax.cummax, "cummin": lax.cummin}[name]
+    combine = {"cumsum": lax.add, "cumprod": lax.mul, "cummax": lax.max, "cummin": lax.min}[name]
+
+    def blocked(x):
+        shape = x.shape
+        y = x.reshape(shape[:d] + (k, shape[d] // k) + shape[d + 1:])
+        c = op(y, axis=d + 1, reverse=reverse)
+        last = 0 if reverse else -1
+        tot = lax.index_in_dim(c, last if last >= 0 else c.shape[d + 1] - 1, axis=d + 1, keepdims=False)
+        incl = op(tot, axis=d, reverse=reverse)
+        # exclusive: the combination of the blocks before this one (identity for the first)
+        first = lax.full_like(lax.index_in_dim(incl, 0, axis=d), _scan_identity(name, x.dtype))
+        if reverse:
+            excl = lax.concatenate([lax.slice_in_dim(incl, 1, k, axis=d), first], d)
+        else:
+            excl = lax.concatenate([first, lax.slice_in_dim(incl, 0, k - 1, axis=d)], d)
+        return combine(c, lax.expand_dims(excl, (d + 1,))).reshape(shape)
+
+    import jax
+
+    closed = jax.make_jaxpr(blocked)(jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype))
+    return closed.jaxpr, list(closed.consts)
+
+
+def _scan_identity(name, dtype):
+    from .rules._common import identity_of
+
+    if name == "cumprod":
+        return 1
+    return identity_of({"cumsum": "sum", "cummax": "max", "cummin": "min"}[name], dtype)
+
+
+def _infer_blocked_scan(inf: _Inference, eqn, cur):
+    """A cumulative op along an evenly split dim: ``_blocked_scan_jaxpr`` (a collective of the
+    block totals only) instead of gathering the operand."""
+    k = _scan_blocks(eqn, cur[0])
+    key = ("blocked_scan", eqn, k)
+    hit = inf.copies.get(key)
+    if hit is None:
+        hit = inf.copies[key] = _blocked_scan_jaxpr(eqn, k)
     jaxpr, consts = hit
     sub = inf.program(jaxpr, consts, cur, inline_of=list(eqn.invars))
     _alias_outputs(inf.alias, eqn.outvars, jaxpr.outvars)

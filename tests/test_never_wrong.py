@@ -417,3 +417,29 @@ def test_arg_extrema_over_a_split_dim(fn, plc, sbp):
     big = t(rng.standard_normal((16, 64)).astype(np.float32), plc, sbp)
     counts = jsbp.debug.count_collectives(jsbp.jit(lambda a: fn(a, axis=1)), big)
     assert counts["all-gather"] == 0 and counts["all-to-all"] == 0
+
+
+@pytest.mark.parametrize("plc,sbp", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("S(0)", "S(0)"))])
+def test_cumulative_ops_over_an_evenly_split_dim(plc, sbp):
+    """cumsum / cumprod / cummax / cummin (forward and reverse) along a split dim: each block
+    scans itself and only the block totals move."""
+    from jax import lax
+
+    rng = np.random.default_rng(7)
+    ops = [
+        lambda a, d: jnp.cumsum(a, axis=d), lambda a, d: lax.cumsum(a, axis=d, reverse=True),
+        lambda a, d: jnp.cumprod(a, axis=d), lambda a, d: lax.cummax(a, axis=d),
+        lambda a, d: lax.cummin(a, axis=d, reverse=True),
+    ]
+    for v in (rng.integers(-3, 4, size=(8, 12)).astype(np.int32), rng.uniform(0.5, 1.5, (8, 12)).astype(np.float32)):
+        x = t(v, plc, sbp)
+        for op in ops:
+            for d in (0, 1):
+                f = lambda a, op=op, d=d: op(a, d)
+                np.testing.assert_allclose(jsbp.jit(f)(x).numpy(), np.asarray(f(jnp.asarray(v))), rtol=1e-5)
+    if plc is P4:  # a long split dim: one small collective of the totals, no gather of the operand
+        big = t(rng.standard_normal((512, 16)).astype(np.float32), plc, "S(0)")
+        f = lambda a: jnp.tanh(jnp.cumsum(a, axis=0))
+        counts = jsbp.debug.count_collectives(jsbp.jit(f), big)
+        assert sum(counts.values()) == 1 and counts["all-gather"] == 0
+        assert jsbp.explain(f, big).total_bytes_per_device < 512 * 16 * 4 / 8
