@@ -20,6 +20,11 @@ The model is written once. Every parallelism is a ``jsbp.flax.Strategy`` — lay
 * ``--zero`` splits optimizer state (1), gradients (2) and parameters (3) over ``dp``;
   ``--accum`` sums gradients over micro-batches and updates once per batch.
 
+Training is nanoGPT's recipe at a small size: adamw with a linear warmup and a cosine decay of the
+learning rate (``--lr``, ``--warmup``, ``--decay-steps``), 600 steps of 32 sequences; the run ends
+with a continuation of the corpus's first line sampled at temperature 0.8 from the top 10
+characters with a fixed seed (the same model prints the same text).
+
 With the same ``--seed`` every layout starts from the same parameters and sees the same batches,
 so the losses agree with ``--parallel none`` to fp32 rounding.
 """
@@ -37,6 +42,13 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 DEFAULT_PARALLEL = "dp=2,tp=4"
+PROMPT = "Shall I compare thee to a summer's day?\n"  # the corpus's first line; the model goes on
+# training defaults, shared by the command line, train() and train_gpt_pipeline.py
+STEPS = 600
+BATCH = 32
+LR = 1e-2  # peak learning rate
+WARMUP = 10  # linear warmup steps
+DECAY_STEPS = 600  # cosine decay to LR / 10 over this many steps (then flat); fixed, so --resume continues the curve
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,10 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over dp")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=16, help="sequences per optimizer step")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--batch", type=int, default=BATCH, help="sequences per optimizer step")
+    ap.add_argument("--lr", type=float, default=LR, help="peak learning rate (default %(default)s)")
+    ap.add_argument("--warmup", type=int, default=WARMUP, help="linear warmup steps (default %(default)s)")
+    ap.add_argument(
+        "--decay-steps",
+        type=int,
+        default=DECAY_STEPS,
+        help="cosine decay of the learning rate to lr/10 over this many steps, then flat; "
+        "independent of --steps so that --resume continues the same curve (default %(default)s)",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     ap.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (pp > 1)")
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"), help="pipeline schedule (pp > 1)")
@@ -224,8 +244,23 @@ def loss_fn(model: GPT, batch):
     return jflax.softmax_cross_entropy(logits, batch[:, 1:], ("batch", "seq", "vocab"))
 
 
-def init(cfg: GPTConfig, seed: int, lr: float = 3e-3):
-    """Model and optimizer on one device; the same ``seed`` gives the same parameters everywhere."""
+def lr_schedule(lr: float = LR, warmup: int = WARMUP, decay_steps: int = DECAY_STEPS):
+    """nanoGPT's schedule: linear warmup to ``lr``, cosine decay to ``lr / 10`` at ``decay_steps``."""
+    warmup = max(0, min(warmup, decay_steps - 1))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=lr / (warmup + 1),
+        peak_value=lr,
+        warmup_steps=warmup,
+        decay_steps=max(decay_steps, 1),
+        end_value=lr / 10,
+    )
+
+
+def init(cfg: GPTConfig, seed: int, lr=None):
+    """Model and optimizer on one device; the same ``seed`` gives the same parameters everywhere.
+    ``lr`` is a constant or an optax schedule; ``None`` is ``lr_schedule()`` (the demo's defaults)."""
+    if lr is None:
+        lr = lr_schedule()
     with nnx.use_eager_sharding(False):
         model = GPT(cfg, nnx.Rngs(seed))
     optimizer = nnx.Optimizer(
@@ -319,8 +354,10 @@ def train(
     accum: int = 1,
     steps: int = 10,
     seed: int = 0,
-    batch: int = 16,
-    lr: float = 3e-3,
+    batch: int = BATCH,
+    lr: float = LR,
+    warmup: int = WARMUP,
+    decay_steps: int = DECAY_STEPS,
     cfg: GPTConfig | None = None,
     corpus: Corpus | None = None,
     on_step=None,
@@ -335,7 +372,7 @@ def train(
     corpus = corpus or Corpus()
     cfg = cfg or GPTConfig(vocab=corpus.vocab)
     strategy = make_strategy(parallel, zero)
-    model, optimizer = init(cfg, seed, lr)
+    model, optimizer = init(cfg, seed, lr_schedule(lr, warmup, decay_steps))
     if strategy is not None:
         model, optimizer = jflax.shard((model, optimizer), strategy)
     step = jflax.make_train_step(loss_fn, strategy, accum=accum)
@@ -372,17 +409,36 @@ def train(
     return Run(losses, plain, step, (model, optimizer), seconds)
 
 
-def sample(model: GPT, corpus: Corpus, prompt: str, n: int) -> str:
-    """Greedy continuation of ``prompt`` on one device."""
+def sample(
+    model: GPT,
+    corpus: Corpus,
+    prompt: str,
+    n: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 10,
+    seed: int = 0,
+) -> str:
+    """Continuation of ``prompt`` on one device: nanoGPT's temperature sampling from the ``top_k``
+    most likely characters, with a fixed ``seed`` (the same model gives the same text).
+    ``temperature=0`` is greedy decoding."""
     seq = model.cfg.seq
     fwd = nnx.jit(lambda m, x: m(x))
+    rng = np.random.default_rng(seed)
     ids = [corpus.index.get(c, 0) for c in prompt][-seq:]
     for _ in range(n):
         window = ids[-seq:]
         x = np.zeros((1, seq), np.int32)
         x[0, : len(window)] = window
-        logits = fwd(model, jnp.asarray(x))[0, len(window) - 1, : len(corpus.chars)]
-        ids.append(int(jnp.argmax(logits)))
+        logits = np.asarray(fwd(model, jnp.asarray(x))[0, len(window) - 1, : len(corpus.chars)], np.float64)
+        if temperature <= 0:
+            ids.append(int(np.argmax(logits)))
+            continue
+        logits = logits / temperature
+        if top_k is not None and top_k < len(logits):
+            logits[logits < np.sort(logits)[-top_k]] = -np.inf
+        p = np.exp(logits - logits.max())
+        ids.append(int(rng.choice(len(p), p=p / p.sum())))
     return corpus.decode(ids)
 
 
@@ -397,7 +453,8 @@ def main(argv=None) -> int:
         import train_gpt_pipeline
 
         fwd = ["--parallel", args.parallel, "--microbatches", str(args.microbatches), "--schedule", args.schedule,
-               "--steps", str(args.steps), "--seed", str(args.seed), "--batch", str(args.batch), "--lr", str(args.lr)]
+               "--steps", str(args.steps), "--seed", str(args.seed), "--batch", str(args.batch), "--lr", str(args.lr),
+               "--warmup", str(args.warmup), "--decay-steps", str(args.decay_steps)]
         return train_gpt_pipeline.main(fwd + (["--json"] if args.json else []))
     if "WORLD_SIZE" in os.environ:  # started by python -m jsbp.launch (or torchrun-style variables)
         jsbp.distributed.initialize()
@@ -454,6 +511,8 @@ def main(argv=None) -> int:
             seed=args.seed,
             batch=args.batch,
             lr=args.lr,
+            warmup=args.warmup,
+            decay_steps=args.decay_steps,
             cfg=cfg,
             corpus=corpus,
             on_step=on_step,
@@ -473,7 +532,7 @@ def main(argv=None) -> int:
         f"final loss {run.losses[-1]:.4f} after {args.steps} steps ({time.perf_counter() - t0:.1f}s total)"
     )
     if not args.json:
-        show("sample: " + repr(sample(run.model, corpus, "Shall I compare ", 48)))
+        show("sample (temperature 0.8, top-10, seed 0):\n" + sample(run.model, corpus, PROMPT, 160))
     return 0
 
 

@@ -46,8 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"))
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=16, help="sequences per optimizer step")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--batch", type=int, default=base.BATCH, help="sequences per optimizer step")
+    ap.add_argument("--lr", type=float, default=base.LR, help="peak learning rate (default %(default)s)")
+    ap.add_argument("--warmup", type=int, default=base.WARMUP, help="linear warmup steps (default %(default)s)")
+    ap.add_argument(
+        "--decay-steps",
+        type=int,
+        default=base.DECAY_STEPS,
+        help="cosine decay of the learning rate to lr/10 over this many steps (default %(default)s)",
+    )
     ap.add_argument(
         "--check", action="store_true", help="also train on one device and compare the losses"
     )
@@ -128,8 +135,10 @@ def train(
     schedule: str = "1f1b",
     steps: int = 10,
     seed: int = 0,
-    batch: int = 16,
-    lr: float = 3e-3,
+    batch: int = base.BATCH,
+    lr: float = base.LR,
+    warmup: int = base.WARMUP,
+    decay_steps: int = base.DECAY_STEPS,
     cfg: base.GPTConfig | None = None,
     corpus: base.Corpus | None = None,
     on_step=None,
@@ -143,7 +152,8 @@ def train(
         )
     corpus = corpus or base.Corpus()
     cfg = cfg or base.GPTConfig(vocab=corpus.vocab)
-    model, optimizer = base.init(cfg, seed, lr)  # the optimizer only lends its optax transform
+    # the optimizer only lends its optax transform (adamw with train_gpt.py's learning-rate schedule)
+    model, optimizer = base.init(cfg, seed, base.lr_schedule(lr, warmup, decay_steps))
     pipe = make_pipeline(model, optimizer.tx, axes, microbatches, schedule)
     losses = []
     for i, tokens in zip(range(steps), corpus.batches(seed, batch, cfg.seq)):
@@ -186,6 +196,8 @@ def main(argv=None) -> int:
         seed=args.seed,
         batch=args.batch,
         lr=args.lr,
+        warmup=args.warmup,
+        decay_steps=args.decay_steps,
         cfg=cfg,
         corpus=corpus,
         on_step=on_step,
@@ -202,6 +214,8 @@ def main(argv=None) -> int:
             seed=args.seed,
             batch=args.batch,
             lr=args.lr,
+            warmup=args.warmup,
+            decay_steps=args.decay_steps,
             cfg=cfg,
             corpus=corpus,
         )
@@ -213,7 +227,7 @@ def main(argv=None) -> int:
             show("MISMATCH: the pipeline does not reproduce the one-device losses")
             return 1
     if not args.json:
-        show("sample: " + repr(base.sample(model, corpus, "Shall I compare ", 48)))
+        show("sample (temperature 0.8, top-10, seed 0):\n" + base.sample(model, corpus, base.PROMPT, 160))
     return 0
 
 
