@@ -49,3 +49,18 @@ def test_compiler_benchmark_quick_prints_its_tables():
     assert "| jsbp `x + y` |" in out
     assert "| `jax.jit(jnp.add)(a, b)` |" in out
     assert "target(s) missed" in out
+
+
+@pytest.mark.slow
+def test_models_benchmark_one_case_prints_its_table():
+    """benchmarks/models.py (issue 18's zoo, jsbp vs GSPMD) runs one model x layout end to end."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "models.py"), "--models", "cnn",
+         "--layouts", "dp8", "--steps", "2", "--warmup", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{res.stderr[-4000:]}"
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| cnn | dp8 |")]
+    assert len(rows) == 1, res.stdout
