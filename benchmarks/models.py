@@ -38,7 +38,9 @@ LAYOUT_NAMES = ("dp8", "tp8", "dp2tp4", "zero3")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="", help="comma-separated subset (default: all six)")
-    ap.add_argument("--layouts", default="", help="comma-separated subset of " + ",".join(LAYOUT_NAMES))
+    ap.add_argument(
+        "--layouts", default="", help="comma-separated subset of " + ",".join(LAYOUT_NAMES)
+    )
     ap.add_argument("--steps", type=int, default=10, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", default="", help="also write the results here")

@@ -57,9 +57,23 @@ def test_models_benchmark_one_case_prints_its_table():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "models.py"), "--models", "cnn",
-         "--layouts", "dp8", "--steps", "2", "--warmup", "1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "models.py"),
+            "--models",
+            "cnn",
+            "--layouts",
+            "dp8",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{res.stderr[-4000:]}"
     rows = [line for line in res.stdout.splitlines() if line.startswith("| cnn | dp8 |")]
