@@ -25,14 +25,15 @@ import os
 import re
 import warnings
 import zlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _oracle import addend_id, coords, local_slice, partial_axes
 
 import jsbp
-from _oracle import addend_id, coords, local_slice, partial_axes
 
 # ----------------------------------------------------------------------------------------------
 # registry entries

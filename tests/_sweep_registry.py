@@ -12,10 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import jax.scipy.special as jss
-import numpy as np
 import optax
-from jax import lax
-
 from _sweep_cases import (
     ALL,
     BINARY_SHAPES,
@@ -40,6 +37,7 @@ from _sweep_cases import (
     Op,
     same,
 )
+from jax import lax
 
 OPS: list[Op] = []
 

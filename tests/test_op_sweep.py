@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from _sweep_cases import cases_for, log_result, run_case, sample_cases
 from _sweep_registry import function_names, registry
 

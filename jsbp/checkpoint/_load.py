@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
 
+from .. import _sbp
 from .._layout import Layout, layout_of, normalise_nd
 from .._placement import placement as Placement
-from .. import _sbp
 from .._tensor import GlobalTensor, is_key_dtype, zeros
 from ..distributed._heartbeat import activity
 from . import _backend, _manifest

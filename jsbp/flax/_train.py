@@ -31,8 +31,8 @@ import numpy as np
 from flax import nnx
 
 from .._errors import SbpError
-from .._sbp import broadcast as _sbp_broadcast
 from .._jit import jit as sbp_jit
+from .._sbp import broadcast as _sbp_broadcast
 from .._tensor import GlobalTensor, is_key_dtype, tensor, to_global
 from ._state import leaf_layouts
 from ._strategy import Strategy, activate
