@@ -624,10 +624,17 @@ def _fresh_vars(jaxpr):
 
 def _infer_call(inf: _Inference, eqn, cur):
     jaxpr, consts = _call_jaxpr(eqn)
-    fresh = inf.copies.get(eqn)
-    if fresh is None:
-        fresh = inf.copies[eqn] = _fresh_vars(jaxpr)
-    jaxpr = fresh
+    return _inline(inf, eqn, cur, eqn, lambda: (_fresh_vars(jaxpr), consts))
+
+
+def _inline(inf: _Inference, eqn, cur, key, make):
+    """``eqn`` inferred as the (jaxpr, consts) that ``make`` builds, inlined in the caller's scope;
+    built once per ``key`` for all the passes of one ``infer`` (``_Inference.copies``), so every
+    pass names the same variables."""
+    hit = inf.copies.get(key)
+    if hit is None:
+        hit = inf.copies[key] = make()
+    jaxpr, consts = hit
     sub = inf.program(jaxpr, consts, cur, inline_of=list(eqn.invars))
     _alias_outputs(inf.alias, eqn.outvars, jaxpr.outvars)
     return Step(eqn, list(cur), sub.out_layouts, [], sub=sub, kind="call")
@@ -663,14 +670,7 @@ def _arg_extremum_jaxpr(eqn):
 def _infer_arg_extremum(inf: _Inference, eqn, cur):
     """``argmax`` / ``argmin`` over a split dim: inferred as ``_arg_extremum_jaxpr`` (two small
     all-reduces of the result's size) instead of gathering the whole operand."""
-    key = ("arg_extremum", eqn)
-    hit = inf.copies.get(key)
-    if hit is None:
-        hit = inf.copies[key] = _arg_extremum_jaxpr(eqn)
-    jaxpr, consts = hit
-    sub = inf.program(jaxpr, consts, cur, inline_of=list(eqn.invars))
-    _alias_outputs(inf.alias, eqn.outvars, jaxpr.outvars)
-    return Step(eqn, list(cur), sub.out_layouts, [], sub=sub, kind="call")
+    return _inline(inf, eqn, cur, ("arg_extremum", eqn), lambda: _arg_extremum_jaxpr(eqn))
 
 
 _SCANS = {"cumsum": jnp.cumsum, "cumprod": jnp.cumprod, "cummax": None, "cummin": None}
@@ -728,14 +728,7 @@ def _infer_blocked_scan(inf: _Inference, eqn, cur):
     """A cumulative op along an evenly split dim: ``_blocked_scan_jaxpr`` (a collective of the
     block totals only) instead of gathering the operand."""
     k = _scan_blocks(eqn, cur[0])
-    key = ("blocked_scan", eqn, k)
-    hit = inf.copies.get(key)
-    if hit is None:
-        hit = inf.copies[key] = _blocked_scan_jaxpr(eqn, k)
-    jaxpr, consts = hit
-    sub = inf.program(jaxpr, consts, cur, inline_of=list(eqn.invars))
-    _alias_outputs(inf.alias, eqn.outvars, jaxpr.outvars)
-    return Step(eqn, list(cur), sub.out_layouts, [], sub=sub, kind="call")
+    return _inline(inf, eqn, cur, ("blocked_scan", eqn, k), lambda: _blocked_scan_jaxpr(eqn, k))
 
 
 def _alias_outputs(alias, outer_outs, inner_outs):
