@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
 from flax import nnx
 
 MODELS = ("cnn", "vit", "lstm", "scan_mlp", "decoder_lm", "moe")
@@ -29,6 +30,15 @@ ACT = ("batch", "seq", "embed")  # a sequence model's residual stream
 def part(init, *names):
     """Flax's logical-axis metadata on an initializer (``nnx.with_partitioning``)."""
     return nnx.with_partitioning(init, names)
+
+
+def token_stream(seed: int, vocab: int, batch: int, seq: int):
+    """A learnable token batch ``(batch, seq + 1)``: each token is the previous one plus a small
+    step, mod ``vocab`` (the sequence models' data)."""
+    rng = np.random.default_rng(seed)
+    start = rng.integers(0, vocab, size=(batch, 1))
+    steps = rng.integers(1, 4, size=(batch, seq))
+    return (np.concatenate([start, start + np.cumsum(steps, axis=1)], axis=1) % vocab).astype(np.int32)
 
 
 def load(name: str):

@@ -15,12 +15,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import jsbp.flax as jflax
 
-from . import ACT, part
+from . import ACT, part, token_stream
 
 VOCAB, SEQ, D, HEADS, KV_HEADS, HIDDEN, LAYERS, BATCH, DROPOUT = 64, 8, 32, 8, 2, 64, 2, 16, 0.1
 HEAD_DIM = D // HEADS
@@ -163,12 +162,7 @@ def make(rngs: nnx.Rngs) -> DecoderLM:
 
 
 def batch(seed: int):
-    rng = np.random.default_rng(seed)
-    start = rng.integers(0, VOCAB, size=(BATCH, 1))
-    steps = rng.integers(1, 4, size=(BATCH, SEQ))
-    return (np.concatenate([start, start + np.cumsum(steps, axis=1)], axis=1) % VOCAB).astype(
-        np.int32
-    )
+    return token_stream(seed, VOCAB, BATCH, SEQ)
 
 
 def loss_fn(model: DecoderLM, batch):

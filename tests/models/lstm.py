@@ -12,12 +12,11 @@ Megatron over ``tp``: the eight gate projections are column-parallel (split on t
 
 from __future__ import annotations
 
-import numpy as np
 from flax import nnx
 
 import jsbp.flax as jflax
 
-from . import part
+from . import part, token_stream
 
 VOCAB, EMBED, HIDDEN, SEQ, BATCH, DROPOUT = 64, 16, 32, 8, 16, 0.2
 
@@ -79,13 +78,7 @@ def make(rngs: nnx.Rngs) -> LSTMLM:
 
 
 def batch(seed: int):
-    rng = np.random.default_rng(seed)
-    # a learnable stream: each token is the previous one plus a small step, mod VOCAB
-    start = rng.integers(0, VOCAB, size=(BATCH, 1))
-    steps = rng.integers(1, 4, size=(BATCH, SEQ))
-    return (np.concatenate([start, start + np.cumsum(steps, axis=1)], axis=1) % VOCAB).astype(
-        np.int32
-    )
+    return token_stream(seed, VOCAB, BATCH, SEQ)
 
 
 def loss_fn(model: LSTMLM, batch):

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import jsbp.flax as jflax
 
-from . import ACT, part
+from . import ACT, part, token_stream
 from .decoder_lm import RMSNorm
 
 VOCAB, SEQ, D, HIDDEN, EXPERTS, TOP_K, BATCH, DROPOUT = 64, 8, 32, 32, 8, 2, 16, 0.1
@@ -88,12 +87,7 @@ def make(rngs: nnx.Rngs) -> MoEModel:
 
 
 def batch(seed: int):
-    rng = np.random.default_rng(seed)
-    start = rng.integers(0, VOCAB, size=(BATCH, 1))
-    steps = rng.integers(1, 4, size=(BATCH, SEQ))
-    return (np.concatenate([start, start + np.cumsum(steps, axis=1)], axis=1) % VOCAB).astype(
-        np.int32
-    )
+    return token_stream(seed, VOCAB, BATCH, SEQ)
 
 
 def loss_fn(model: MoEModel, batch):
