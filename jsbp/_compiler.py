@@ -245,6 +245,8 @@ class _Inference:
             handler = _infer_arg_extremum
         elif name in _SCANS and _scan_blocks(eqn, cur[0]) > 1:
             handler = _infer_blocked_scan
+        elif name in _BLOCK_REDUCTIONS and _reduce_blocks(eqn, cur[0])[1] > 1:
+            handler = _infer_blocked_reduce
         if handler is not None:
             st = handler(self, eqn, cur)
             if self.depth == 1 and st.kind != "call":
@@ -729,6 +731,50 @@ def _infer_blocked_scan(inf: _Inference, eqn, cur):
     block totals only) instead of gathering the operand."""
     k = _scan_blocks(eqn, cur[0])
     return _inline(inf, eqn, cur, ("blocked_scan", eqn, k), lambda: _blocked_scan_jaxpr(eqn, k))
+
+
+_BLOCK_REDUCTIONS = {"reduce_prod": lax.mul, "reduce_and": lax.bitwise_and, "reduce_or": lax.bitwise_or,
+                     "reduce_xor": lax.bitwise_xor}
+
+
+def _reduce_blocks(eqn, lay: Layout) -> tuple[int, int]:
+    """(dim, blocks) of the first reduced dim that is split evenly into blocks longer than one
+    element; (-1, 1) if none (the op is left to its rule, which gathers)."""
+    for d in eqn.params["axes"]:
+        k = lay.ways(d)
+        if k > 1 and lay.shape[d] % k == 0 and lay.shape[d] // k > 1:
+            return d, k
+    return -1, 1
+
+
+def _blocked_reduce_jaxpr(eqn, d: int, k: int):
+    """``reduce_prod`` / ``reduce_and`` / ``reduce_or`` / ``reduce_xor`` over a dim split evenly
+    into ``k`` blocks: each block reduces its own elements (and the other reduced dims), then the
+    ``k`` partial results (a small array) are reduced. Only those move."""
+    axes = tuple(eqn.params["axes"])
+    (x_aval,) = [v.aval for v in eqn.invars]
+    prim, params = eqn.primitive, dict(eqn.params)
+
+    def blocked(x):
+        shape = x.shape
+        y = x.reshape(shape[:d] + (k, shape[d] // k) + shape[d + 1:])
+        inner = tuple(a + 1 if a > d else a for a in axes if a != d) + (d + 1,)
+        per_block = prim.bind(y, **dict(params, axes=tuple(sorted(inner))))
+        # the block dim ``d`` is now at ``d`` minus the reduced dims before it
+        at = d - sum(1 for a in axes if a < d)
+        return prim.bind(per_block, **dict(params, axes=(at,)))
+
+    import jax
+
+    closed = jax.make_jaxpr(blocked)(jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype))
+    return closed.jaxpr, list(closed.consts)
+
+
+def _infer_blocked_reduce(inf: _Inference, eqn, cur):
+    """A product / logical reduction over an evenly split dim: ``_blocked_reduce_jaxpr`` (a
+    collective of the per-block results only) instead of gathering the operand."""
+    d, k = _reduce_blocks(eqn, cur[0])
+    return _inline(inf, eqn, cur, ("blocked_reduce", eqn, d, k), lambda: _blocked_reduce_jaxpr(eqn, d, k))
 
 
 def _alias_outputs(alias, outer_outs, inner_outs):

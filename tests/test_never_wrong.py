@@ -443,3 +443,31 @@ def test_cumulative_ops_over_an_evenly_split_dim(plc, sbp):
         counts = jsbp.debug.count_collectives(jsbp.jit(f), big)
         assert sum(counts.values()) == 1 and counts["all-gather"] == 0
         assert jsbp.explain(f, big).total_bytes_per_device < 512 * 16 * 4 / 8
+
+
+@pytest.mark.parametrize("plc,sbp", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("S(0)", "S(0)"))])
+def test_products_and_logical_reductions_over_an_evenly_split_dim(plc, sbp):
+    """reduce_prod / and / or / xor over split dims (alone or with others): each block reduces
+    itself, only the per-block results move."""
+    from jax import lax
+
+    rng = np.random.default_rng(11)
+    vf = rng.uniform(0.8, 1.25, size=(8, 4, 6)).astype(np.float32)
+    vi = rng.integers(-2, 3, size=(8, 4, 6)).astype(np.int32)
+    vb = rng.random((8, 4, 6)) < 0.8
+    for axes in ((0,), (1,), (0, 1), (1, 2), (0, 2)):
+        for f, v in (
+            (lambda a, ax=axes: jnp.prod(a, axis=ax), vf), (lambda a, ax=axes: jnp.prod(a, axis=ax), vi),
+            (lambda a, ax=axes: jnp.any(a, axis=ax), vb), (lambda a, ax=axes: jnp.all(a, axis=ax), vb),
+            (lambda a, ax=axes: lax.reduce_xor(a, ax), vi),
+        ):
+            ref = np.asarray(f(jnp.asarray(v)))
+            got = jsbp.jit(f)(t(v, plc, sbp)).numpy()
+            assert got.dtype == ref.dtype
+            np.testing.assert_allclose(got, ref, rtol=1e-5)
+    if plc is P4:
+        big = t(rng.uniform(0.9, 1.1, (512, 16)).astype(np.float32), plc, "S(0)")
+        f = lambda a: jnp.prod(a, axis=0)
+        counts = jsbp.debug.count_collectives(jsbp.jit(f), big)
+        assert counts["all-gather"] == 0 and sum(counts.values()) == 1
+        assert jsbp.explain(f, big).total_bytes_per_device <= 4 * 16 * 4
