@@ -27,6 +27,7 @@ import itertools
 import warnings
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -663,8 +664,6 @@ def _arg_extremum_jaxpr(eqn):
         idx = lax.broadcasted_iota(index_dtype, x.shape, d)
         return jnp.min(jnp.where(hit, idx, jnp.asarray(x.shape[d], index_dtype)), axis=d)
 
-    import jax
-
     closed = jax.make_jaxpr(arg_extremum)(jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype))
     return closed.jaxpr, list(closed.consts)
 
@@ -711,8 +710,6 @@ def _blocked_scan_jaxpr(eqn, k: int):
         else:
             excl = lax.concatenate([first, lax.slice_in_dim(incl, 0, k - 1, axis=d)], d)
         return combine(c, lax.expand_dims(excl, (d + 1,))).reshape(shape)
-
-    import jax
 
     closed = jax.make_jaxpr(blocked)(jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype))
     return closed.jaxpr, list(closed.consts)
@@ -763,8 +760,6 @@ def _blocked_reduce_jaxpr(eqn, d: int, k: int):
         # the block dim ``d`` is now at ``d`` minus the reduced dims before it
         at = d - sum(1 for a in axes if a < d)
         return prim.bind(per_block, **dict(params, axes=(at,)))
-
-    import jax
 
     closed = jax.make_jaxpr(blocked)(jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype))
     return closed.jaxpr, list(closed.consts)
