@@ -1269,19 +1269,29 @@ def _refine(inf, prog, args) -> tuple[Program, float]:
     """Up to ``LOOKAHEAD_ROUNDS`` lookahead passes after ``inf``'s pass (which made ``prog``);
     the cheapest program and its cost. ``args``: ``infer``'s (jaxpr, consts, in_layouts, out_nd)."""
     jaxpr, _, _, out_nd = args
-    cost = program_cost(prog)
+    cost = _rank(prog)
     for _ in range(LOOKAHEAD_ROUNDS):
-        if cost == 0.0:
+        if cost == (0.0, 0):
             break
         demand = inf.backward_demand(jaxpr.outvars, out_nd)
         inf = _Inference(inf.placement, demand, inf.cands_cache, inf.anchored, strict=inf.strict,
                          copies=inf.copies)
         new = inf.program(*args)
-        new_cost = program_cost(new)
+        new_cost = _rank(new)
         if new_cost >= cost:
             break
         prog, cost = new, new_cost
-    return prog, cost
+    return prog, cost[0]
+
+
+def _rank(prog: Program) -> tuple[float, int]:
+    """How ``_refine`` ranks programs: ``program_cost``, then the number of local slices (B -> S
+    without communication). A slice means the value was made whole on every device first: a
+    random draw (``random_bits``) that could have drawn only the device's block, say."""
+    n_local = 0
+    for _, st in iter_steps(prog):
+        n_local += sum(1 for bx in st.boxings if not bx.reused and not any(m.collective for m in bx.moves))
+    return program_cost(prog), n_local
 
 
 class _OverBudget(Exception):

@@ -363,6 +363,8 @@ case("scatter", lambda x, i, u: lax.scatter(x, i, u, lax.ScatterDimensionNumbers
 case("random_seed", lambda s: jax.random.key(s), i32())
 case("random_bits", lambda k: jax.random.bits(k, UNEVEN), key())
 case("random_bits", lambda k: jax.random.bits(k, EVEN), key())
+case("random_bits", lambda k: jax.vmap(lambda kk: jax.random.bits(kk, (3, 5)))(k), key(7))
+case("random_bits", lambda k: jax.vmap(lambda kk: jax.random.bits(kk, (8,), jnp.uint8))(k), key(8))
 case("random_split", lambda k: jax.random.split(k, 3), key())
 case("random_fold_in", lambda k, d: jax.random.fold_in(k, d), key(), u32())
 case("random_wrap", lambda d: jax.random.wrap_key_data(d), u32(7, 2))

@@ -400,6 +400,36 @@ def test_random_values_do_not_depend_on_the_layout():
         assert_close(out, ref)
 
 
+
+
+def _bits_layouts(fn, *args):
+    prog = jsbp.jit(fn).lower_program(*args).program
+    return [st.out_layouts[0].nd_sbp for _, st in jsbp._compiler.iter_steps(prog)
+            if st.eqn.primitive.name == "random_bits"]
+
+
+@pytest.mark.parametrize("shape", [(16, 12), (7, 5), (3, 9)])
+@pytest.mark.parametrize("plc, nd", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")),
+                                     (Q22, ("S(1)", "S(0)")), (Q22, ("S(0)", "S(0)")), (Q22, ("B", "S(1)"))])
+def test_random_draws_are_made_split_where_they_are_used_split(plc, nd, shape):
+    """Dropout on a split activation draws only the device's block of bits (threefry hashes each
+    element's row-major counter), not the whole array sliced: the same bits as one device, no
+    collective, no local slice of a whole draw."""
+
+    def dropout(key, x):
+        keep = jax.random.bernoulli(key, 0.7, x.shape)
+        noise = jax.random.uniform(jax.random.fold_in(key, 3), x.shape)
+        return jnp.where(keep, x / 0.7, 0.0) + noise
+
+    xv = rand(*shape)
+    key = jax.random.key(11)
+    ref = np.asarray(dropout(key, jnp.asarray(xv)))
+    gk = jsbp.tensor(key, plc, ("B",) * plc.ndim)
+    gx = jsbp.tensor(xv, plc, nd)
+    out, _, coll = run(dropout, gk, gx)
+    np.testing.assert_array_equal(out.numpy(), ref)
+    assert sum(coll.values()) == 0
+    assert _bits_layouts(dropout, gk, gx) == [parse(nd, plc)] * 2
 # -------------------------------------------------------------------------------------------
 # pooling, grouped convs, fft, linear algebra and the JAX 0.10 shape primitives
 # -------------------------------------------------------------------------------------------
