@@ -310,7 +310,8 @@ class JitFunction:
         if entry is None:
             closed, out_tree, flat_fn = _trace(self.fn, treedef, static, lays, dtypes, placement, key[3])
             out_avals = closed.out_avals
-            out_nd = _out_nd_list(self.out_sbp, len(out_avals), placement, [a.shape for a in out_avals])
+            out_sbp = self.out_sbp(out_tree) if callable(self.out_sbp) else self.out_sbp
+            out_nd = _out_nd_list(out_sbp, len(out_avals), placement, [a.shape for a in out_avals])
             out_nd = _keys_broadcast(out_nd, out_avals, placement)
             prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd, strict=self.strict)
             fn = _build_shard_map(placement, lays, prog.out_layouts, prog, dtypes)
@@ -438,7 +439,9 @@ def jit(fn=None, *, out_sbp=None, static_argnums: int | Sequence[int] = (), stri
     Global tensor arguments arrive in ``fn`` as logical ``jax.Array`` s; plain arrays and scalars
     are broadcast (``B``) on the arguments' placement. jsbp infers the layout of every value,
     inserts the cheapest boxing where an op needs one, and returns global tensors whose layouts
-    are the inferred ones (``out_sbp`` forces them). Traced once per input signature.
+    are the inferred ones (``out_sbp`` forces them: one nd-sbp for all outputs, one per output
+    leaf, or a function of the output's pytree structure returning one per leaf, for outputs whose
+    number is only known once traced). Traced once per input signature.
 
     >>> step = jsbp.jit(lambda x, w: jnp.tanh(x @ w))  # doctest: +SKIP
     >>> y = step(x, w)   # x: (S(0)), w: (B)  ->  y: (S(0)), no communication  # doctest: +SKIP

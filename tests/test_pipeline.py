@@ -14,6 +14,7 @@ import os
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -254,6 +255,102 @@ def test_data_parallel_gradients_reduced_once_per_batch():
         assert c["forward"]["all-reduce"] == 0 and c["backward"]["all-reduce"] == 0, c
         assert c["update"]["all-reduce"] >= 1, c
     assert pipe.steps == 0 and pipe.last_record is None
+
+
+# ----------------------------------------------------------------------------------------------
+# stages with mutable state: Dropout and BatchNorm in train mode
+# ----------------------------------------------------------------------------------------------
+
+
+class NoisyBlock(nnx.Module):
+    """Linear -> BatchNorm (batch statistics, running averages) -> relu -> Dropout, residual."""
+
+    def __init__(self, rngs):
+        # no bias before the BatchNorm: its gradient is zero up to rounding, which adam would
+        # turn into steps of the learning rate's size (noise, not a layout difference)
+        self.fc = nnx.Linear(D, D, use_bias=False, rngs=rngs,
+                             kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")))
+        self.bn = nnx.BatchNorm(D, momentum=0.8, rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(jax.nn.relu(self.bn(self.fc(x))))
+
+
+class NoisyModel(nnx.Module):
+    def __init__(self, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.inp = _linear(D_IN, D, (None, "embed"), rngs)
+        self.blocks = nnx.List([NoisyBlock(rngs) for _ in range(BLOCKS)])
+        self.head = _linear(D, CLASSES, ("embed", None), rngs)
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+    stages = Model.stages
+
+
+def _noisy_reference(m, steps):
+    """One device, the batch cut into the same ``m`` micro-batches in order: every micro-batch's
+    forward advances the dropout RNG counts and BatchNorm's running statistics; the gradient is
+    the micro-batch mean, applied once per batch."""
+    with nnx.use_eager_sharding(False):
+        model = NoisyModel(0)
+    opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+    @nnx.jit
+    def micro(model, x, y):
+        return nnx.value_and_grad(lambda mdl: loss_fn(mdl(x), y))(model)
+
+    @nnx.jit
+    def update(model, opt, grads):
+        opt.update(model, grads)
+
+    losses = []
+    for i in range(steps):
+        xs, ys = (np.split(a, m) for a in batch(i))
+        total, gsum = 0.0, None
+        for x, y in zip(xs, ys):
+            loss, g = micro(model, x, y)
+            total += float(loss)
+            gsum = g if gsum is None else jax.tree.map(jnp.add, gsum, g)
+        update(model, opt, jax.tree.map(lambda g: g / m, gsum))
+        losses.append(total / m)
+    return losses, model
+
+
+def _state_arrays(model):
+    state = nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat))
+    return {jflax.path_str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+
+
+@pytest.mark.parametrize("topology,schedule", [("pp2", "1f1b"), ("pp2xdp2xtp2", "gpipe")])
+@pytest.mark.parametrize("remat", [False, True])
+def test_dropout_and_batchnorm_in_stages_match_one_device(topology, schedule, remat):
+    """Each stage carries its non-parameter state from micro-batch to micro-batch (new dropout
+    masks, running statistics of each micro-batch, global under dp inside the stage); a backward
+    uses the masks of its own forward (recomputed from the saved state under remat)."""
+    m, steps = 4, 3
+    cfg = TOPOLOGIES[topology]
+    with nnx.use_eager_sharding(False):
+        model = NoisyModel(0)
+    placements = jpp.stage_placements(cfg["p"], axes=cfg["axes"]) if "axes" in cfg else None
+    pipe = jpp.Pipeline(model.stages(cfg["p"]), loss_fn, TX, microbatches=m, schedule=schedule,
+                        placements=placements, logical_axes=cfg["logical_axes"], remat=remat)
+    losses = [pipe.step(*batch(i)) for i in range(steps)]
+    pipe.write_back()
+    ref_losses, ref = _noisy_reference(m, steps)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    got, want = _state_arrays(model), _state_arrays(ref)
+    assert got.keys() == want.keys() and any("mean" in k for k in got)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    counts = {jflax.path_str(p): int(v.get_value())
+              for p, v in nnx.to_flat_state(nnx.state(model, nnx.RngCount))}
+    assert counts and all(c == steps * m for c in counts.values()), counts
 
 
 # ----------------------------------------------------------------------------------------------

@@ -87,6 +87,7 @@ class Stash:
     t: Any  # the targets, on the last stage, when the backward reads them
     residuals: list  # new buffers saved by the forward
     program: Any  # the _Programs entry that made it (its backward knows how to read the stash)
+    rest: Any = None  # the non-parameter state the forward ran with (RNG counts, statistics)
 
     def nbytes(self) -> int:
         return local_nbytes((self.x, self.t, self.residuals))
@@ -162,29 +163,35 @@ def grad_sbp(param_sbp: tuple, strategy: Strategy) -> tuple:
 
 
 def _apply(spec: StageSpec, params, rest, x, t):
+    """The stage on one micro-batch: ``(output, its non-parameter state after the call)``. The model
+    may update that state in place (Dropout's RNG counts, BatchNorm's statistics); it is read
+    back and carried to the next micro-batch, as on one device micro-batch after micro-batch."""
+    rest = jax.tree_util.tree_map(lambda v: v, rest)  # fresh Variables at this trace level
     m = nnx.merge(spec.graphdef, params, rest)
     y = m(x)
+    new_rest = nnx.state(m, nnx.Not(nnx.Param))
     if spec.last:
-        return spec.loss_fn(y) if t is None else spec.loss_fn(y, t)
-    return y
+        y = spec.loss_fn(y) if t is None else spec.loss_fn(y, t)
+    return y, new_rest
 
 
 def _vjp(spec: StageSpec, params, rest, x, t):
+    """``(output, vjp, non-parameter state after the call)``."""
     if spec.first:  # the data is not differentiated (it may be integer tokens)
-        return jax.vjp(lambda p: _apply(spec, p, rest, x, t), params)
-    return jax.vjp(lambda p, x_: _apply(spec, p, rest, x_, t), params, x)
+        return jax.vjp(lambda p: _apply(spec, p, rest, x, t), params, has_aux=True)
+    return jax.vjp(lambda p, x_: _apply(spec, p, rest, x_, t), params, x, has_aux=True)
 
 
-def make_programs(spec: StageSpec, params, x) -> _Programs:
+def make_programs(spec: StageSpec, params, rest, x) -> _Programs:
     """The forward and backward ``jsbp.jit`` programs of a stage (see the module docstring)."""
     meta: dict = {}
 
     def fwd(params, rest, x, t):
         with use_strategy(spec.strategy):
-            y, vjp = _vjp(spec, params, rest, x, t)
+            y, vjp, new_rest = _vjp(spec, params, rest, x, t)
         if spec.remat:
             meta.update(x=True, t=True)
-            return y, []
+            return y, [], new_rest
         # the vjp is a pytree: its leaves are the residuals; keep only those that are new buffers
         leaves, tree = jax.tree_util.tree_flatten(vjp)
         known: dict[int, tuple[str, int]] = {}
@@ -201,12 +208,12 @@ def make_programs(spec: StageSpec, params, x) -> _Programs:
         meta.update(
             tree=tree, refs=refs, x=any(k == "x" for k, _ in refs), t=any(k == "t" for k, _ in refs)
         )
-        return y, residuals
+        return y, residuals, new_rest
 
     def bwd(params, rest, x, t, residuals, dy, gsum):
         with use_strategy(spec.strategy):
-            if spec.remat:
-                _, vjp = _vjp(spec, params, rest, x, t)
+            if spec.remat:  # recomputed from the state the forward saw: the same dropout masks
+                _, vjp, _ = _vjp(spec, params, rest, x, t)
             else:
                 src = {
                     "p": jax.tree_util.tree_leaves(params),
@@ -226,7 +233,14 @@ def make_programs(spec: StageSpec, params, x) -> _Programs:
     # the input gradient (dx) keeps its inferred layout
     out_sbp = [grad_sbp(p.sbp, spec.strategy) for p in _leaves(params)]
     out_sbp += [] if spec.first else [None] * len(_leaves(x))
-    return _Programs(sbp_jit(fwd), sbp_jit(bwd, out_sbp=out_sbp), meta)
+    # the state leaves the forward in the layouts it came in: the next micro-batch's forward is
+    # the same program (the output and residuals before it keep their inferred layouts)
+    rest_sbp = [v.sbp if _is_global(v) else None for v in _leaves(rest)]
+
+    def fwd_out_sbp(tree):
+        return [None] * (tree.num_leaves - len(rest_sbp)) + rest_sbp
+
+    return _Programs(sbp_jit(fwd, out_sbp=fwd_out_sbp), sbp_jit(bwd, out_sbp=out_sbp), meta)
 
 
 def _map_state(state, fn):
@@ -338,7 +352,7 @@ class Stage:
     def _programs_for(self, x, t) -> _Programs:
         params, rest = self._state
         key = ("stage", self.spec, _signature(params, rest, x, t))
-        return _cached(key, lambda: make_programs(self.spec, params, x))
+        return _cached(key, lambda: make_programs(self.spec, params, rest, x))
 
     # -- actions -----------------------------------------------------------------------------
     def forward(self, microbatch: int, x, t=None):
@@ -346,19 +360,20 @@ class Stage:
         stage)."""
         params, rest = self._state
         prog = self._programs_for(x, t)
-        y, residuals = prog.fwd(params, rest, x, t)
+        y, residuals, new_rest = prog.fwd(params, rest, x, t)
+        self._state = (params, new_rest)  # the next micro-batch sees the advanced state
         if not self.last:
             self._y_sbp = [v.sbp for v in _leaves(y) if _is_global(v)]
         keep_x = x if prog.meta.get("x") else None
         keep_t = t if prog.meta.get("t") else None
-        return y, Stash(microbatch, keep_x, keep_t, residuals, prog)
+        return y, Stash(microbatch, keep_x, keep_t, residuals, prog, rest)
 
     def backward(self, stash: Stash, dy):
         """Run the backward of one micro-batch from its stash; adds its parameter gradient to the
         running sum and returns the gradient w.r.t. the stage input (``None`` on the first stage)."""
-        params, rest = self._state
+        params, _ = self._state
         self._grads, dx = stash.program.bwd(
-            params, rest, stash.x, stash.t, stash.residuals, dy, self._grads
+            params, stash.rest, stash.x, stash.t, stash.residuals, dy, self._grads
         )
         return dx
 
@@ -368,6 +383,7 @@ class Stage:
             raise SbpError(
                 f"pipeline: stage {self.index} has no gradient to apply; call begin_step and run the backwards first."
             )
+        nnx.update(self.module, self._state[1])  # the state after the step's last micro-batch
         fn, state = self._update_program()
         new_state = fn(state, self._grads)
         nnx.update((self.module, self.optimizer), new_state)
