@@ -60,10 +60,10 @@ class Block(nnx.Module):
 
 
 class Model(nnx.Module):
-    def __init__(self, seed=0):
+    def __init__(self, seed=0, block=None):
         rngs = nnx.Rngs(seed)
         self.inp = _linear(D_IN, D, (None, "embed"), rngs)
-        self.blocks = nnx.List([Block(rngs) for _ in range(BLOCKS)])
+        self.blocks = nnx.List([(block or Block)(rngs) for _ in range(BLOCKS)])
         self.head = _linear(D, CLASSES, ("embed", None), rngs)
 
     def __call__(self, x):
@@ -277,28 +277,12 @@ class NoisyBlock(nnx.Module):
         return x + self.drop(jax.nn.relu(self.bn(self.fc(x))))
 
 
-class NoisyModel(nnx.Module):
-    def __init__(self, seed=0):
-        rngs = nnx.Rngs(seed)
-        self.inp = _linear(D_IN, D, (None, "embed"), rngs)
-        self.blocks = nnx.List([NoisyBlock(rngs) for _ in range(BLOCKS)])
-        self.head = _linear(D, CLASSES, ("embed", None), rngs)
-
-    def __call__(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-    stages = Model.stages
-
-
 def _noisy_reference(m, steps):
     """One device, the batch cut into the same ``m`` micro-batches in order: every micro-batch's
     forward advances the dropout RNG counts and BatchNorm's running statistics; the gradient is
     the micro-batch mean, applied once per batch."""
     with nnx.use_eager_sharding(False):
-        model = NoisyModel(0)
+        model = Model(0, NoisyBlock)
     opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
 
     @nnx.jit
@@ -336,7 +320,7 @@ def test_dropout_and_batchnorm_in_stages_match_one_device(topology, schedule, re
     m, steps = 4, 3
     cfg = TOPOLOGIES[topology]
     with nnx.use_eager_sharding(False):
-        model = NoisyModel(0)
+        model = Model(0, NoisyBlock)
     placements = jpp.stage_placements(cfg["p"], axes=cfg["axes"]) if "axes" in cfg else None
     pipe = jpp.Pipeline(model.stages(cfg["p"]), loss_fn, TX, microbatches=m, schedule=schedule,
                         placements=placements, logical_axes=cfg["logical_axes"], remat=remat)
