@@ -1,0 +1,203 @@
+"""Automatic parallelism: ``jsbp.flax.Strategy.auto``'s choice against the hand-picked strategies.
+
+    python benchmarks/auto.py                       # three model shapes, markdown table on stdout
+    python benchmarks/auto.py --only gpt --steps 20 --json auto.json
+    python benchmarks/auto.py --budget-quarter      # also: auto under a budget of (params + opt) / 4
+
+On 8 simulated CPU devices, for the GPT of ``examples/train_gpt.py`` and two other shapes
+(wide-shallow, narrow-deep), every hand-picked strategy (``dp=8``, ``tp=8``, ``dp=2×tp=4``,
+ZeRO-1/2/3 over ``dp=8``) and the strategy ``Strategy.auto`` chooses with no memory budget run
+the same functional train step on the same state; their step times are measured interleaved
+(one step of each in turn, so a busy machine slows all alike) and reported as medians. Each row
+also shows what the cost model predicted (step time, peak bytes per device) and what XLA reports
+for the compiled per-device program (``jsbp._auto.measured_bytes``), and the bytes of model +
+optimizer state each device holds (``jsbp.flax.local_nbytes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+SHAPES = {  # name: GPTConfig overrides (vocab comes from the corpus)
+    "gpt": {},
+    "wide_shallow": {"d_model": 256, "n_heads": 8, "n_layers": 1, "d_mlp": 1024},
+    "narrow_deep": {"d_model": 32, "n_heads": 4, "n_layers": 8, "d_mlp": 128},
+}
+
+HAND = {  # name: (parallel, zero)
+    "dp8": ("dp=8", 0),
+    "tp8": ("tp=8", 0),
+    "dp2_tp4": ("dp=2,tp=4", 0),
+    "zero1": ("dp=8", 1),
+    "zero2": ("dp=8", 2),
+    "zero3": ("dp=8", 3),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per strategy")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--only", default="", help="comma-separated subset of " + ",".join(SHAPES))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--budget-quarter", action="store_true",
+                    help="also run auto with a budget of (parameters + optimizer state) / 4")
+    ap.add_argument("--json", default="", help="also write the results here")
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_gpt as tg
+
+    names = [n for n in (args.only.split(",") if args.only else SHAPES) if n]
+    corpus = tg.Corpus()
+    results = []
+    for name in names:
+        cfg = tg.GPTConfig(vocab=corpus.vocab, **SHAPES[name])
+        rows, auto_info = bench_shape(tg, cfg, corpus, args)
+        results.append({"shape": name, "config": str(cfg), "rows": rows, "auto": auto_info})
+        print(table(name, cfg, rows, auto_info), flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+def _interleaved_medians(fns, states, batch, steps, warmup):
+    import jax
+
+    times = [[] for _ in fns]
+    states = list(states)
+    for i in range(warmup + steps):
+        for k, fn in enumerate(fns):
+            t = time.perf_counter()
+            states[k], loss = fn(states[k], batch[k])
+            jax.block_until_ready(loss)
+            if i >= warmup:
+                times[k].append((time.perf_counter() - t) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def _prepare(tg, cfg, strategy, host_batch):
+    """The compiled functional step, its state and batch, and the plan's estimate."""
+    from flax import nnx
+
+    import jsbp.flax as jflax
+    from jsbp._auto import estimate, measured_bytes
+
+    model, opt = jflax.shard(tg.init(cfg, 0), strategy)
+    state_bytes = max(jflax.local_nbytes((model, opt)))
+    step = jflax.make_train_step(tg.loss_fn, strategy)
+    graphdef, state = nnx.split((model, opt))
+    batch = step.put_batch(host_batch)
+    fn = step.pure(graphdef, state, batch)
+    est = estimate(fn.lower_program(state, batch).program)
+    mem = measured_bytes(fn, state, batch)
+
+    def run(state, batch):
+        state, loss = fn(state, batch)
+        return state, loss.physical
+
+    return run, state, batch, est, mem, state_bytes
+
+
+def bench_shape(tg, cfg, corpus, args):
+    import numpy as np
+
+    import jsbp
+    import jsbp.flax as jflax
+
+    host_batch = next(corpus.batches(0, args.batch, cfg.seq))
+    strategies = {n: tg.make_strategy(tg.parse_parallel(p), z) for n, (p, z) in HAND.items()}
+    plc = jsbp.placement("cpu", np.arange(8))
+    model, opt = tg.init(cfg, 0)
+    t = time.perf_counter()
+    auto = jflax.Strategy.auto(plc, model=model, optimizer=opt, loss_fn=tg.loss_fn, batch=host_batch)
+    auto_info = {"seconds": time.perf_counter() - t, "chosen": auto.report.chosen.name,
+                 "candidates": len(auto.report.candidates), "report": str(auto.report)}
+    print(auto.report, file=sys.stderr, flush=True)
+    strategies["auto"] = auto
+    if args.budget_quarter:
+        pbytes = sum(int(np.prod(np.shape(v))) * 4 for v in jax_leaves((model, opt)))
+        budget = pbytes // 4
+        auto_b = jflax.Strategy.auto(plc, budget, model=model, optimizer=opt, loss_fn=tg.loss_fn,
+                                     batch=host_batch)
+        strategies["auto_quarter"] = auto_b
+        auto_info.update(budget=budget, chosen_quarter=auto_b.report.chosen.name)
+    prepared = {n: _prepare(tg, cfg, s, host_batch) for n, s in strategies.items()}
+    names = list(prepared)
+    fns = [prepared[n][0] for n in names]
+    ms = _interleaved_medians(fns, [prepared[n][1] for n in names], [prepared[n][2] for n in names],
+                              args.steps, args.warmup)
+    rows = []
+    for n, t_ms in zip(names, ms):
+        _, state, batch, est, mem, state_bytes = prepared[n]
+        s = strategies[n]
+        rows.append({
+            "name": n,
+            "strategy": s.report.chosen.name if s.report is not None else _hand_name(n),
+            "ms": t_ms,
+            "predicted_ms": est.seconds * 1e3,
+            "collectives": est.collectives,
+            "comm_bytes": est.comm_bytes,
+            "flops": est.flops,
+            "traffic": est.traffic,
+            "predicted_peak": est.peak_bytes,
+            "measured_peak": mem.get("peak"),
+            "state_bytes": state_bytes,
+        })
+    return rows, auto_info
+
+
+def jax_leaves(objs):
+    import jax
+    from flax import nnx
+
+    return [x for x in jax.tree.leaves(nnx.state(objs)) if hasattr(x, "dtype")]
+
+
+def _hand_name(n):
+    p, z = HAND[n]
+    return p.replace(",", "×") + (f" zero-{z}" if z else "")
+
+
+def table(name, cfg, rows, auto_info) -> str:
+    from jsbp._auto import fmt_bytes
+
+    best = min(r["ms"] for r in rows if r["name"] in HAND)
+    lines = [
+        f"\n### {name}: d_model {cfg.d_model}, {cfg.n_layers} layer(s), d_mlp {cfg.d_mlp}, "
+        f"{cfg.n_heads} heads, vocab {cfg.vocab}, seq {cfg.seq}",
+        "",
+        f"auto chose **{auto_info['chosen']}** ({auto_info['candidates']} candidates planned in "
+        f"{auto_info['seconds']:.1f} s)"
+        + (f"; under a budget of {fmt_bytes(auto_info['budget'])}: **{auto_info['chosen_quarter']}**"
+           if "budget" in auto_info else ""),
+        "",
+        "| strategy | step (ms, median) | vs best hand-picked | predicted (ms) | collectives (plan) | "
+        "predicted peak / device | XLA peak / device | state / device |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        label = r["name"] if r["name"] in HAND else f"**{r['name']}**: {r['strategy']}"
+        lines.append(
+            f"| {label} | {r['ms']:.2f} | {r['ms'] / best:.3f} | {r['predicted_ms']:.1f} | "
+            f"{r['collectives']} | {fmt_bytes(r['predicted_peak'])} | "
+            f"{fmt_bytes(r['measured_peak']) if r['measured_peak'] is not None else '-'} | "
+            f"{fmt_bytes(r['state_bytes'])} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
