@@ -153,7 +153,7 @@ def bench_shape(tg, cfg, corpus, args):
             "flops": est.flops,
             "traffic": est.traffic,
             "predicted_peak": est.peak_bytes,
-            "measured_peak": mem.get("peak"),
+            "measured_peak": mem.get("in_place"),
             "state_bytes": state_bytes,
         })
     return rows, auto_info
@@ -185,7 +185,7 @@ def table(name, cfg, rows, auto_info) -> str:
            if "budget" in auto_info else ""),
         "",
         "| strategy | step (ms, median) | vs best hand-picked | predicted (ms) | collectives (plan) | "
-        "predicted peak / device | XLA peak / device | state / device |",
+        "predicted peak / device | XLA in-place peak / device | state / device |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -188,8 +188,9 @@ def _var_bytes(v, lay: Layout) -> int:
     return _local_bytes(lay, v.aval.dtype)
 
 
-def _intermediate_peak(prog: Program) -> int:
-    """Peak bytes of the values ``prog`` makes (its inputs excluded), walking its steps in order."""
+def _intermediate_peak(prog: Program, in_place=frozenset()) -> int:
+    """Peak bytes of the values ``prog`` makes (its inputs excluded), walking its steps in order;
+    the values in ``in_place`` take no room (written over an input they replace)."""
     steps = prog.steps
     end = len(steps)
     last: dict = {}
@@ -207,7 +208,7 @@ def _intermediate_peak(prog: Program) -> int:
                     for bx in st.boxings if not bx.reused and bx.operand < len(st.eqn.invars))
         made = 0
         for v, lay in zip(st.eqn.outvars, st.out_layouts):
-            n = _var_bytes(v, lay)
+            n = 0 if v in in_place else _var_bytes(v, lay)
             made += n
             if last.get(v, -1) > i:
                 sizes[v] = n
@@ -220,12 +221,29 @@ def _intermediate_peak(prog: Program) -> int:
     return max(peak, live)
 
 
+def _updates(prog: Program) -> frozenset:
+    """Outputs that replace an input of the same layout and dtype (a train step's new parameters
+    and optimizer state): the step updates its state in place, as with donated buffers."""
+    free: dict = {}
+    for v, lay in zip(prog.jaxpr.invars, prog.in_layouts):
+        free.setdefault((lay, str(v.aval.dtype)), []).append(v)
+    out = set()
+    for v, lay in zip(prog.jaxpr.outvars, prog.out_layouts):
+        if isinstance(v, jcore.Literal) or v in prog.jaxpr.invars:
+            continue
+        pool = free.get((lay, str(v.aval.dtype)))
+        if pool:
+            pool.pop()
+            out.add(v)
+    return frozenset(out)
+
+
 def estimate(prog: Program, cost: CostModel = DEFAULT_COST) -> Estimate:
     """The cost model's figures for a planned program (see the module docstring)."""
     comm_bytes, count = _comm(prog)
     flops, traffic = _compute(prog)
     inputs = sum(_var_bytes(v, lay) for v, lay in zip(prog.jaxpr.invars, prog.in_layouts))
-    peak = inputs + _intermediate_peak(prog)
+    peak = inputs + _intermediate_peak(prog, _updates(prog))
     seconds = (comm_bytes / cost.link_bandwidth + count * cost.latency + flops / cost.flop_rate
                + traffic / cost.mem_bandwidth)
     return Estimate(comm_bytes, count, flops, traffic, int(inputs), int(peak), seconds)
@@ -233,8 +251,10 @@ def estimate(prog: Program, cost: CostModel = DEFAULT_COST) -> Estimate:
 
 def measured_bytes(fn, *args) -> dict[str, int]:
     """XLA's memory figures for the compiled per-device program of ``fn(*args)`` (``fn`` a
-    ``jsbp.jit`` function): arguments, outputs, temporaries and their sum, ``peak``, in bytes per
-    device. Compiles, runs nothing."""
+    ``jsbp.jit`` function), in bytes per device: ``arguments``, ``outputs``, ``temporaries``,
+    ``peak`` (their sum: the step as compiled, a new copy of the state beside the old) and
+    ``in_place`` (arguments + temporaries: the step with its outputs written over donated
+    inputs, which is what ``estimate`` predicts). Compiles, runs nothing."""
     stats = fn.lower(*args).compile().memory_analysis()
     if stats is None:  # pragma: no cover - a backend without memory analysis
         return {}
@@ -245,6 +265,9 @@ def measured_bytes(fn, *args) -> dict[str, int]:
         "aliased": int(stats.alias_size_in_bytes),
     }
     out["peak"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+    # the same step with its state updated in place (outputs written over donated inputs): what
+    # ``estimate``'s peak predicts
+    out["in_place"] = out["arguments"] + out["temporaries"]
     return out
 
 
@@ -345,6 +368,10 @@ def leaf_candidates(shape, dtype, placement: Placement) -> list[NdSbp]:
     return out
 
 
+def _ways(nd, placement) -> int:
+    return math.prod(n for n, s in zip(placement.hierarchy, nd) if s.is_split)
+
+
 def _fixed_index(fixed, paths, n_args, arg_leaves, placement, shapes) -> dict[int, NdSbp]:
     out: dict[int, NdSbp] = {}
     for key, nd in (fixed or {}).items():
@@ -410,6 +437,14 @@ def auto_layouts(
     dtypes = [_dtype(m[1]) for m in metas]
     arg_leaves = [[i for i, (p, _) in enumerate(path_leaves) if p[0].idx == k] for k in range(len(args))]
     fixed_nd = _fixed_index(fixed, paths, len(args), arg_leaves, placement, shapes)
+    total = sum(math.prod(s) * _itemsize(d) for s, d in zip(shapes, dtypes))
+    if budget is not None and budget < total / placement.size:
+        raise SbpError(
+            f"auto_layouts: memory_budget={fmt_bytes(budget)} per device is less than the inputs alone "
+            f"need split evenly over the {placement.size} devices of {placement} ({fmt_bytes(total)} / "
+            f"{placement.size} = {fmt_bytes(total / placement.size)}), so no layout fits. Raise the budget "
+            "to at least that (plus room for intermediates) or use more devices."
+        )
 
     b_lays = [layout_of(placement, (B,) * placement.ndim, s) for s in shapes]
     closed, _, _ = _trace(fn, treedef, (), b_lays, dtypes, placement)
@@ -436,28 +471,44 @@ def auto_layouts(
 
     cands = [[fixed_nd[i]] if i in fixed_nd else leaf_candidates(s, d, placement)
              for i, (s, d) in enumerate(zip(shapes, dtypes))]
-    cur = [fixed_nd.get(i, (B,) * placement.ndim) for i in range(len(shapes))]
-    baseline = score(cur)[1]
     order = sorted(range(len(shapes)), key=lambda i: (-math.prod(shapes[i]) * _itemsize(dtypes[i]), i))
-    for _ in range(max(1, sweeps)):
-        changed = False
-        for i in order:
-            if len(cands[i]) < 2:
-                continue
-            best_nd, best = cur[i], score(cur)[0]
-            for nd in cands[i]:
-                if nd == cur[i]:
-                    continue
-                trial = list(cur)
-                trial[i] = nd
-                s = score(trial)[0]
-                if s < best:
-                    best_nd, best = nd, s
-            if best_nd != cur[i]:
-                cur[i] = best_nd
-                changed = True
-        if not changed:
-            break
+    # moves: a group of leaves of one shape and dtype at once (a parameter and its optimizer
+    # moments), largest first, then each leaf alone
+    groups: dict = {}
+    for i in order:
+        if len(cands[i]) > 1:
+            groups.setdefault((shapes[i], str(dtypes[i])), []).append(i)
+    moves = [g for g in groups.values() if len(g) > 1] + [[i] for i in order if len(cands[i]) > 1]
+
+    def descend(cur):
+        for _ in range(max(1, sweeps)):
+            changed = False
+            for idx in moves:
+                best_nds, best = [cur[i] for i in idx], score(cur)[0]
+                for nd in cands[idx[0]]:
+                    if all(cur[i] == nd for i in idx):
+                        continue
+                    trial = list(cur)
+                    for i in idx:
+                        trial[i] = nd
+                    s = score(trial)[0]
+                    if s < best:
+                        best_nds, best = [nd] * len(idx), s
+                if any(cur[i] != nd for i, nd in zip(idx, best_nds)):
+                    for i, nd in zip(idx, best_nds):
+                        cur[i] = nd
+                    changed = True
+            if not changed:
+                break
+        return cur
+
+    # two seeds: every free leaf B (no communication, most memory), and every free leaf split as
+    # finely as its candidates allow (least memory); the cheaper descent wins
+    start = [fixed_nd.get(i, (B,) * placement.ndim) for i in range(len(shapes))]
+    baseline = score(start)[1]
+    finest = [fixed_nd.get(i, max(c, key=lambda nd: (_ways(nd, placement), -cands[i].index(nd))))
+              for i, c in enumerate(cands)]
+    cur = min((descend(list(start)), descend(finest)), key=lambda nds: score(nds)[0])
     (over, _, peak), est, spec = score(cur)
     if over:
         raise SbpError(

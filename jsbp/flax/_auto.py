@@ -41,7 +41,7 @@ from .._tensor import GlobalTensor, is_key_dtype
 from ._state import _kind, _names, _shape, _value, leaf_layouts, path_str
 from ._strategy import Strategy, dim_names
 
-__all__ = ["auto_strategy", "AutoReport", "Candidate"]
+__all__ = ["auto_strategy", "estimate_strategy", "AutoReport", "Candidate"]
 
 MAX_LEAF_CHOICES = 8
 """A model without logical names: how many of its largest 2-d weights get a per-leaf choice."""
@@ -220,6 +220,13 @@ class _Search:
         return c
 
 
+def estimate_strategy(strategy: Strategy, *, model, optimizer, loss_fn, batch, accum: int = 1,
+                      cost_model: CostModel = DEFAULT_COST) -> Estimate:
+    """The cost model's ``Estimate`` of ``strategy``'s train step (any strategy, hand-written ones
+    included), planned on abstract state exactly as ``Strategy.auto`` plans its candidates."""
+    return _Search(loss_fn, model, optimizer, batch, accum, cost_model, None).plan(strategy)
+
+
 def _name(dp, tp, tp_desc, zero):
     grid = "×".join(f"{a}={n}" for a, n in (("dp", dp), ("tp", tp)) if n > 1) or "one device"
     return grid + (f" {tp_desc}" if tp > 1 else "") + (f" zero-{zero}" if zero else "")
@@ -243,6 +250,14 @@ def auto_strategy(
         raise SbpError(f"Strategy.auto: placement must be a jsbp.placement, got {placement!r}.")
     budget = parse_bytes(memory_budget, "Strategy.auto")
     search = _Search(loss_fn, model, optimizer, batch, accum, cost_model, budget)
+    total = sum(math.prod(_shape(_value(v))) * _itemsize(_value(v)) for _, v in search.flat)
+    if budget is not None and budget < total / placement.size:
+        raise SbpError(
+            f"Strategy.auto: memory_budget={fmt_bytes(budget)} per device is less than the model and "
+            f"optimizer state alone need split evenly over {placement.size} devices ({fmt_bytes(total)} / "
+            f"{placement.size} = {fmt_bytes(total / placement.size)}), so no candidate strategy fits. Raise "
+            "memory_budget to at least that (plus room for activations) or use more devices."
+        )
     names = _model_names(search.flat)
     mats = [] if names else _big_matrices(search.flat)
     grids = _grids(placement)
