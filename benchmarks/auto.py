@@ -51,7 +51,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-quarter", action="store_true",
                     help="also run auto with a budget of (parameters + optimizer state) / 4")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--fit", default="", help="fit the CostModel rates to the hand-picked rows of this "
+                    "--json file (no timing) and print them")
     args = ap.parse_args(argv)
+    if args.fit:
+        print(fit(json.loads(pathlib.Path(args.fit).read_text())))
+        return 0
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -71,6 +76,32 @@ def main(argv=None) -> int:
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0
+
+
+def fit(results) -> str:
+    """Non-negative least squares on relative error: step time ~ comm_bytes / link_bandwidth +
+    collectives * latency + flops / flop_rate + traffic / mem_bandwidth, over the hand-picked rows."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    X, y = [], []
+    for shape in results:
+        for r in shape["rows"]:
+            if r["name"] in HAND:
+                X.append([r["comm_bytes"], r["collectives"], r["flops"], r["traffic"]])
+                y.append(r["ms"] / 1e3)
+    X, y = np.array(X, float), np.array(y, float)
+    W = X / y[:, None]
+    scale = np.where(W.max(0) > 0, W.max(0), 1.0)
+    coef, _ = nnls(W / scale, np.ones(len(y)))
+    coef = coef / scale
+    err = np.abs(X @ coef / y - 1).mean()
+
+    def inv(c):
+        return f"{1 / c:.3g}" if c > 0 else "inf"
+
+    return (f"CostModel(link_bandwidth={inv(coef[0])}, latency={coef[1]:.3g}, flop_rate={inv(coef[2])}, "
+            f"mem_bandwidth={inv(coef[3])})  # mean relative error {err:.2f} over {len(y)} rows")
 
 
 def _interleaved_medians(fns, states, batch, steps, warmup):

@@ -59,16 +59,17 @@ B = _sbp.broadcast
 class CostModel:
     """Rates that turn a planned program into an estimated step time (per device).
 
-    The defaults are fitted to 8 simulated CPU devices sharing a 2-core machine (``benchmarks/
-    auto.py``): a collective costs ~0.2 ms whatever its size (jsbp's ``COLLECTIVE_LATENCY_BYTES``
-    of 1 MiB at ~5 GB/s), and the devices share the cores, so a device's compute rate is the
-    machine's divided by the device count. On GPUs raise ``flop_rate`` / ``mem_bandwidth`` a
-    thousandfold and lower ``latency`` to ~15 us."""
+    The defaults are fitted (non-negative least squares on relative error, ``python
+    benchmarks/auto.py --fit``) to the measured step times of the six hand-picked strategies on
+    three model shapes, on 8 simulated CPU devices sharing a 2-core machine; there the devices
+    share the cores and XLA fuses elementwise ops, so the rates are effective ones, not hardware
+    peaks. On GPUs raise ``flop_rate`` / ``mem_bandwidth`` / ``link_bandwidth`` by orders of
+    magnitude and lower ``latency`` to ~15 us (or fit them the same way)."""
 
-    link_bandwidth: float = 5e9  # bytes / s a device sends or receives in a collective
-    latency: float = 2e-4  # s per collective launch
-    flop_rate: float = 2.5e9  # matmul FLOP / s per device
-    mem_bandwidth: float = 2.5e9  # bytes / s per device for every other op (read + write)
+    link_bandwidth: float = 2.0e8  # bytes / s a device sends or receives in a collective
+    latency: float = 2.8e-4  # s per collective launch
+    flop_rate: float = 1.1e10  # matmul / convolution FLOP / s per device
+    mem_bandwidth: float = 2.5e10  # bytes / s per device that every other op reads + writes
 
 
 DEFAULT_COST = CostModel()

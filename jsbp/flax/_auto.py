@@ -46,6 +46,11 @@ __all__ = ["auto_strategy", "estimate_strategy", "AutoReport", "Candidate"]
 MAX_LEAF_CHOICES = 8
 """A model without logical names: how many of its largest 2-d weights get a per-leaf choice."""
 
+ZERO_SLACK = 1.5
+"""Without a memory budget, ZeRO stages are planned only on grids whose ZeRO-0 step is estimated
+within this factor of the best grid's (in ``benchmarks/auto.py`` the best ZeRO stage saved at
+most ~20 % of a ZeRO-0 step: its collectives are combined, the gradient all-reduces are not)."""
+
 EXHAUSTIVE_OPTIONS = 5
 """Up to this many tensor-parallel options (names), every legal subset is planned; above, a
 forward selection."""
@@ -320,9 +325,15 @@ def auto_strategy(
                 if round_best is None or (best is not None and not search.score(round_best[0]) < search.score(best)):
                     break
                 best, tp_choice = round_best
-    # 2) every grid with that tensor parallelism and every ZeRO stage
-    for dp, tp, plc in grids:
-        for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+    # 2) every grid with that tensor parallelism; the ZeRO stages on every grid with a dp axis
+    #    (without a budget: only on grids whose ZeRO-0 step is within ZERO_SLACK of the best)
+    plain = [(dp, tp, plc, search.try_(_name(dp, tp, desc(tp_choice), 0), strategy(plc, tp_choice, 0)))
+             for dp, tp, plc in grids]
+    best0 = min(c.estimate.seconds for *_, c in plain if c is not None)
+    for dp, tp, plc, c in plain:
+        if dp == 1 or c is None or (budget is None and c.estimate.seconds > ZERO_SLACK * best0):
+            continue
+        for zero in (1, 2, 3):
             search.try_(_name(dp, tp, desc(tp_choice), zero), strategy(plc, tp_choice, zero))
     chosen = min(search.candidates, key=search.score)
     if not chosen.fits:
