@@ -7,7 +7,8 @@
 On 8 simulated CPU devices, for the GPT of ``examples/train_gpt.py`` and two other shapes
 (wide-shallow, narrow-deep), every hand-picked strategy (``dp=8``, ``tp=8``, ``dp=2×tp=4``,
 ZeRO-1/2/3 over ``dp=8``) and the strategy ``Strategy.auto`` chooses with no memory budget run
-the same functional train step on the same state; their step times are measured interleaved
+the same functional train step on the same state (its first two losses are checked against one
+device at 1e-5 before timing); their step times are measured interleaved
 (one step of each in turn, so a busy machine slows all alike) and reported as medians. Each row
 also shows what the cost model predicted (step time, peak bytes per device) and what XLA reports
 for the compiled per-device program (``jsbp._auto.measured_bytes``), and the bytes of model +
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--budget-quarter", action="store_true",
                     help="also run auto with a budget of (parameters + optimizer state) / 4")
+    ap.add_argument("--budget-frac", type=float, default=0.0,
+                    help="also run auto with a budget of this fraction of the unbudgeted choice's predicted peak")
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--fit", default="", help="fit the CostModel rates to the hand-picked rows of this "
                     "--json file (no timing) and print them")
@@ -105,15 +108,23 @@ def fit(results) -> str:
 
 
 def _interleaved_medians(fns, states, batch, steps, warmup):
+    """Median step time of each function: one step of each per round, in an order shuffled every
+    round (fixed seed), so that neither a busy machine nor the predecessor of a function in the
+    round favours one of them."""
+    import random
+
     import jax
 
+    rng = random.Random(0)
     times = [[] for _ in fns]
     states = list(states)
+    order = list(range(len(fns)))
     for i in range(warmup + steps):
-        for k, fn in enumerate(fns):
+        rng.shuffle(order)
+        for k in order:
             t = time.perf_counter()
-            states[k], loss = fn(states[k], batch[k])
-            jax.block_until_ready(loss)
+            states[k], loss = fns[k](states[k], batch[k])
+            jax.block_until_ready((states[k], loss))
             if i >= warmup:
                 times[k].append((time.perf_counter() - t) * 1e3)
     return [statistics.median(t) for t in times]
@@ -128,6 +139,7 @@ def _prepare(tg, cfg, strategy, host_batch):
 
     model, opt = jflax.shard(tg.init(cfg, 0), strategy)
     state_bytes = max(jflax.local_nbytes((model, opt)))
+    layouts = (tuple(strategy.placement.hierarchy), tuple(sorted(jflax.layouts((model, opt)).items())))
     step = jflax.make_train_step(tg.loss_fn, strategy)
     graphdef, state = nnx.split((model, opt))
     batch = step.put_batch(host_batch)
@@ -139,7 +151,19 @@ def _prepare(tg, cfg, strategy, host_batch):
         state, loss = fn(state, batch)
         return state, loss.physical
 
-    return run, state, batch, est, mem, state_bytes
+    # parity: the first two steps' losses (the second reads the first update) from this state
+    s1, l1 = fn(state, batch)
+    _, l2 = fn(s1, batch)
+    losses = [float(l1.numpy()), float(l2.numpy())]
+    return run, state, batch, est, mem, state_bytes, layouts, losses
+
+
+def _one_device_losses(tg, cfg, host_batch):
+    import jsbp.flax as jflax
+
+    model, opt = tg.init(cfg, 0)
+    step = jflax.make_train_step(tg.loss_fn, None)
+    return [float(step(model, opt, host_batch)) for _ in range(2)]
 
 
 def bench_shape(tg, cfg, corpus, args):
@@ -158,22 +182,36 @@ def bench_shape(tg, cfg, corpus, args):
                  "candidates": len(auto.report.candidates), "report": str(auto.report)}
     print(auto.report, file=sys.stderr, flush=True)
     strategies["auto"] = auto
+    budgets = {}
     if args.budget_quarter:
-        pbytes = sum(int(np.prod(np.shape(v))) * 4 for v in jax_leaves((model, opt)))
-        budget = pbytes // 4
-        auto_b = jflax.Strategy.auto(plc, budget, model=model, optimizer=opt, loss_fn=tg.loss_fn,
-                                     batch=host_batch)
-        strategies["auto_quarter"] = auto_b
-        auto_info.update(budget=budget, chosen_quarter=auto_b.report.chosen.name)
+        budgets["auto_quarter"] = sum(int(np.prod(np.shape(v))) * 4 for v in jax_leaves((model, opt))) // 4
+    if args.budget_frac:
+        budgets["auto_budget"] = int(args.budget_frac * auto.report.chosen.estimate.peak_bytes)
+    auto_info["budgets"] = {}
+    for name, budget in budgets.items():
+        try:
+            s = jflax.Strategy.auto(plc, budget, model=model, optimizer=opt, loss_fn=tg.loss_fn,
+                                    batch=host_batch)
+        except jsbp.SbpError as e:
+            auto_info["budgets"][name] = (budget, f"none fits: {e}")
+            print(e, file=sys.stderr, flush=True)
+            continue
+        strategies[name] = s
+        auto_info["budgets"][name] = (budget, s.report.chosen.name)
     prepared = {n: _prepare(tg, cfg, s, host_batch) for n, s in strategies.items()}
+    ref = _one_device_losses(tg, cfg, host_batch)
+    for n, p in prepared.items():
+        if not np.allclose(p[-1], ref, rtol=1e-5, atol=0):
+            raise SystemExit(f"{n}: losses {p[-1]} differ from one device's {ref} beyond 1e-5")
     names = list(prepared)
     fns = [prepared[n][0] for n in names]
     ms = _interleaved_medians(fns, [prepared[n][1] for n in names], [prepared[n][2] for n in names],
                               args.steps, args.warmup)
     rows = []
     for n, t_ms in zip(names, ms):
-        _, state, batch, est, mem, state_bytes = prepared[n]
+        _, state, batch, est, mem, state_bytes, layouts, _ = prepared[n]
         s = strategies[n]
+        same = [h for h in HAND if h != n and prepared[h][6] == layouts]
         rows.append({
             "name": n,
             "strategy": s.report.chosen.name if s.report is not None else _hand_name(n),
@@ -186,6 +224,7 @@ def bench_shape(tg, cfg, corpus, args):
             "predicted_peak": est.peak_bytes,
             "measured_peak": mem.get("in_place"),
             "state_bytes": state_bytes,
+            "same_as": same[0] if same and n not in HAND else "",
         })
     return rows, auto_info
 
@@ -212,8 +251,8 @@ def table(name, cfg, rows, auto_info) -> str:
         "",
         f"auto chose **{auto_info['chosen']}** ({auto_info['candidates']} candidates planned in "
         f"{auto_info['seconds']:.1f} s)"
-        + (f"; under a budget of {fmt_bytes(auto_info['budget'])}: **{auto_info['chosen_quarter']}**"
-           if "budget" in auto_info else ""),
+        + "".join(f"; {n} (budget {fmt_bytes(b)} per device): **{c}**"
+                  for n, (b, c) in auto_info["budgets"].items()),
         "",
         "| strategy | step (ms, median) | vs best hand-picked | predicted (ms) | collectives (plan) | "
         "predicted peak / device | XLA in-place peak / device | state / device |",
@@ -221,6 +260,8 @@ def table(name, cfg, rows, auto_info) -> str:
     ]
     for r in rows:
         label = r["name"] if r["name"] in HAND else f"**{r['name']}**: {r['strategy']}"
+        if r.get("same_as"):
+            label += f" (the layouts of {r['same_as']})"
         lines.append(
             f"| {label} | {r['ms']:.2f} | {r['ms'] / best:.3f} | {r['predicted_ms']:.1f} | "
             f"{r['collectives']} | {fmt_bytes(r['predicted_peak'])} | "
