@@ -162,6 +162,17 @@ def test_core_no_budget_is_cheapest_of_hand_layouts(plc, reference):
         assert _rel(p_out[k].numpy(), reference[1][k]) < 1e-5, k
 
 
+def test_core_2d_placement_matches_one_device(reference):
+    plc2 = jsbp.placement("cpu", np.arange(8).reshape(2, 4), axis_names=("dp", "tp"))
+    p, opt = _init()
+    r = jsbp.auto_layouts(train_step, p, opt, _batch(0), placement=plc2, out_sbp=_same_out)
+    assert all(len(nd) == 2 for nd in jax.tree.leaves(r.layouts, is_leaf=_is_nd))
+    _, losses, p_out, _, _ = _run_chosen(r)
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    for k in reference[1]:
+        assert _rel(p_out[k].numpy(), reference[1][k]) < 1e-5, k
+
+
 def test_core_fixed_is_kept(plc):
     p, opt = _init()
     r = jsbp.auto_layouts(train_step, p, opt, _batch(0), placement=plc, out_sbp=_same_out,
@@ -226,13 +237,16 @@ def _init_gpt():
     return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-3), wrt=nnx.Param)
 
 
+def _loss_value(loss):
+    return float(loss.numpy() if isinstance(loss, jsbp.GlobalTensor) else loss)
+
+
 def _train(strategy):
     model, opt = _init_gpt()
     if strategy is not None:
         model, opt = jflax.shard((model, opt), strategy)
     step = jflax.make_train_step(tg.loss_fn, strategy)
-    losses = [float(jnp.asarray(step(model, opt, b).numpy() if strategy else step(model, opt, b)))
-              for b in _gpt_batches()]
+    losses = [_loss_value(step(model, opt, b)) for b in _gpt_batches()]
     return losses, model, opt, step
 
 
@@ -302,3 +316,49 @@ def test_flax_auto_bad_inputs():
     with pytest.raises(jsbp.SbpError, match="already sharded"):
         jflax.Strategy.auto(jsbp.placement("cpu", np.arange(8)), model=model, optimizer=opt,
                             loss_fn=tg.loss_fn, batch=_gpt_batches()[0])
+
+
+class _PlainMLP(nnx.Module):
+    """No sharding metadata anywhere: Strategy.auto chooses per weight which dim (if any) to split."""
+
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(32, 128, rngs=rngs)
+        self.fc2 = nnx.Linear(128, 32, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+def _mlp_loss(model, batch):
+    x, t = batch
+    return jnp.mean((model(x) - t) ** 2)
+
+
+def _mlp_objects():
+    model = _PlainMLP(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-3), wrt=nnx.Param)
+
+
+def test_flax_auto_model_without_names_and_accum():
+    r = np.random.default_rng(0)
+    batches = [(r.normal(size=(16, 32)).astype(np.float32), r.normal(size=(16, 32)).astype(np.float32))
+               for _ in range(STEPS)]
+    model, opt = _mlp_objects()
+    s = jflax.Strategy.auto(jsbp.placement("cpu", np.arange(8)), model=model, optimizer=opt,
+                            loss_fn=_mlp_loss, batch=batches[0], accum=2)
+    names = [c.name for c in s.report.candidates]
+    assert any("fc1/kernel:S(1)" in n for n in names) and any("fc2/kernel:S(0)" in n for n in names), names
+
+    def run(strategy):
+        model, opt = _mlp_objects()
+        if strategy is not None:
+            model, opt = jflax.shard((model, opt), strategy)
+        step = jflax.make_train_step(_mlp_loss, strategy, accum=2)
+        losses = [_loss_value(step(model, opt, b)) for b in batches]
+        return losses, (jflax.gather(model) if strategy is not None else model)
+
+    losses, got = run(s)
+    ref, want = run(None)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    for lin in ("fc1", "fc2"):
+        assert _rel(getattr(got, lin).kernel.get_value(), getattr(want, lin).kernel.get_value()) < 1e-5

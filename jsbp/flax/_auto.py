@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -156,7 +157,8 @@ def _model_names(flat) -> list[str]:
 
 def _big_matrices(flat) -> list[tuple[str, tuple[int, ...]]]:
     """The largest 2-d parameters (path, shape), at most ``MAX_LEAF_CHOICES``, largest first."""
-    mats = [(path_str(p), _shape(_value(v))) for p, v in flat
+    # paths within the model (the state is split from (model, optimizer): drop the leading 0)
+    mats = [(path_str(p[1:]), _shape(_value(v))) for p, v in flat
             if _kind(v) == "param" and len(_shape(_value(v))) == 2]
     mats.sort(key=lambda m: (-math.prod(m[1]), m[0]))
     return mats[:MAX_LEAF_CHOICES]
@@ -279,7 +281,7 @@ def auto_strategy(
                 for path, dim in tp_choice:
                     nd = [_sbp.broadcast] * plc.ndim
                     nd[t] = _sbp.split(dim)
-                    param_sbp.append(("^" + _escape(path) + "$", tuple(nd)))
+                    param_sbp.append(("(^|/)" + re.escape(path) + "$", tuple(nd)))
         return Strategy(plc, logical_axes=logical, param_sbp=param_sbp, zero=zero)
 
     def desc(choice):
@@ -363,8 +365,3 @@ def _itemsize(value) -> int:
         return dt.itemsize
     return np.dtype(dt).itemsize
 
-
-def _escape(path: str) -> str:
-    import re
-
-    return re.escape(path)
