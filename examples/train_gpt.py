@@ -519,9 +519,12 @@ def main(argv=None) -> int:
             return
         if strategy.report is not None:  # --parallel auto: what was planned, what was chosen
             show(str(strategy.report))
-            held = jflax.local_nbytes((model, optimizer))
-            show(f"measured: model + optimizer state {max(held) / 2**20:.2f} MiB on the fullest device "
-                 f"(predicted {strategy.report.state_bytes / 2**20:.2f} MiB)\n")
+            m = step.memory(model, optimizer, batch)
+            show(
+                f"measured per device: model + optimizer state {m['state'] / 2**20:.2f} MiB "
+                f"(predicted {m['predicted_state'] / 2**20:.2f} MiB); XLA's peak of the step with its state "
+                f"updated in place {m['in_place'] / 2**20:.2f} MiB (predicted {m['predicted'] / 2**20:.2f} MiB)\n"
+            )
         show(f"{strategy}")
         show("\nparameter layouts:")
         show(jflax.describe(model))

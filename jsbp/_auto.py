@@ -42,7 +42,7 @@ from ._compiler import Program, infer, subprograms
 from ._errors import SbpError
 from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
-from ._tensor import GlobalTensor
+from ._tensor import GlobalTensor, tensor
 
 __all__ = ["auto_layouts", "AutoLayouts", "CostModel", "Estimate", "estimate", "measured_bytes"]
 
@@ -285,6 +285,7 @@ class AutoLayouts:
     ``estimate``: the chosen plan's ``Estimate``. ``out_sbp``: the ``out_sbp`` to compile ``fn``
     with (``jsbp.jit(fn, out_sbp=result.out_sbp)``; ``None`` when not asked). ``tried``: how many
     layout assignments were planned. ``put(*args)`` lays the arguments out as chosen;
+    ``measure(*args)`` compiles the step and sets the predicted peak beside the measured bytes;
     ``str(result)`` is a table of every leaf.
     """
 
@@ -298,6 +299,7 @@ class AutoLayouts:
     dtypes: list[Any]
     memory_budget: int | None
     baseline: Estimate  # every free input B (the start of the search)
+    fn: Any = dataclasses.field(default=None, repr=False)
 
     def put(self, *args):
         """``args`` as global tensors in the chosen layouts (a global tensor is re-boxed)."""
@@ -308,10 +310,24 @@ class AutoLayouts:
             if isinstance(x, GlobalTensor):
                 out.append(x.to_global(placement=self.placement, sbp=nd))
             else:
-                from ._tensor import tensor
-
                 out.append(tensor(x, placement=self.placement, sbp=nd))
         return jax.tree_util.tree_unflatten(tree, out)
+
+    def measure(self, *args) -> dict[str, int]:
+        """Predicted against measured bytes per device for ``fn(*args)`` in the chosen layouts:
+        ``predicted`` (the estimate's peak), ``inputs`` (the largest per-device sum of the
+        arguments' local shards, measured with ``to_local``) and XLA's figures for the compiled
+        step (``measured_bytes``: compare ``in_place`` with ``predicted``). Compiles ``fn``."""
+        from ._jit import jit
+
+        put = self.put(*args)
+        held = None
+        for t in jax.tree_util.tree_leaves(put, is_leaf=_is_global):
+            sizes = [math.prod(a.shape) * _itemsize(t.dtype) for a in t.to_local()]
+            held = sizes if held is None else [a + b for a, b in zip(held, sizes)]
+        out = {"predicted": self.estimate.peak_bytes, "inputs": max(held or [0])}
+        out.update(measured_bytes(jit(self.fn, out_sbp=self.out_sbp), *put))
+        return out
 
     def __str__(self):
         nds = jax.tree_util.tree_leaves(self.layouts, is_leaf=_is_nd)
@@ -346,7 +362,8 @@ def _leaf_meta(x):
         return tuple(x.shape), x.dtype
     if isinstance(x, (int, float, complex, bool)):
         return (), np.asarray(x).dtype
-    return tuple(np.shape(x)), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return tuple(np.shape(x)), dtype
 
 
 def leaf_candidates(shape, dtype, placement: Placement) -> list[NdSbp]:
@@ -416,7 +433,8 @@ def auto_layouts(
     its state in the layouts it came in: ``out_sbp=lambda lay: (lay[0], lay[1], None)``.
 
     Returns an ``AutoLayouts``: ``.layouts`` (the arguments' structure, one nd-sbp per leaf),
-    ``.estimate`` (predicted step time and peak bytes), ``.put(*args)``, ``.out_sbp``.
+    ``.estimate`` (predicted step time and peak bytes), ``.put(*args)``, ``.out_sbp``,
+    ``.measure(*args)`` (predicted against measured bytes per device).
 
     >>> r = jsbp.auto_layouts(step, params, opt, batch, placement=p, memory_budget="64MiB")  # doctest: +SKIP
     >>> f = jsbp.jit(step, out_sbp=r.out_sbp); f(*r.put(params, opt, batch))                  # doctest: +SKIP
@@ -481,18 +499,18 @@ def auto_layouts(
             groups.setdefault((shapes[i], str(dtypes[i])), []).append(i)
     moves = [g for g in groups.values() if len(g) > 1] + [[i] for i in order if len(cands[i]) > 1]
 
-    def descend(cur):
+    def descend(cur, key=lambda sc: sc):
         for _ in range(max(1, sweeps)):
             changed = False
             for idx in moves:
-                best_nds, best = [cur[i] for i in idx], score(cur)[0]
+                best_nds, best = [cur[i] for i in idx], key(score(cur)[0])
                 for nd in cands[idx[0]]:
                     if all(cur[i] == nd for i in idx):
                         continue
                     trial = list(cur)
                     for i in idx:
                         trial[i] = nd
-                    s = score(trial)[0]
+                    s = key(score(trial)[0])
                     if s < best:
                         best_nds, best = [nd] * len(idx), s
                 if any(cur[i] != nd for i, nd in zip(idx, best_nds)):
@@ -504,12 +522,17 @@ def auto_layouts(
         return cur
 
     # two seeds: every free leaf B (no communication, most memory), and every free leaf split as
-    # finely as its candidates allow (least memory); the cheaper descent wins
+    # finely as its candidates allow (least memory); under a budget also a descent that ignores
+    # it (the fastest plan may fit). The best assignment planned on any path wins.
     start = [fixed_nd.get(i, (B,) * placement.ndim) for i in range(len(shapes))]
     baseline = score(start)[1]
     finest = [fixed_nd.get(i, max(c, key=lambda nd: (_ways(nd, placement), -cands[i].index(nd))))
               for i, c in enumerate(cands)]
-    cur = min((descend(list(start)), descend(finest)), key=lambda nds: score(nds)[0])
+    descend(list(start))
+    descend(finest)
+    if budget is not None:
+        descend(list(start), key=lambda sc: sc[1:])
+    cur = list(min(cache, key=lambda nds: cache[nds][0]))
     (over, _, peak), est, spec = score(cur)
     if over:
         raise SbpError(
@@ -520,7 +543,7 @@ def auto_layouts(
         )
     return AutoLayouts(
         jax.tree_util.tree_unflatten(treedef, cur), est, placement, spec, len(cache), paths, shapes,
-        dtypes, budget, baseline,
+        dtypes, budget, baseline, fn,
     )
 
 

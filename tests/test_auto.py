@@ -128,6 +128,8 @@ def test_core_budget_quarter_fits_and_matches_one_device(plc, reference):
     # XLA's figure for the step with its state updated in place (the new state written over the
     # old, as the estimate assumes; jsbp.jit itself does not donate, so "peak" holds both)
     assert measured_bytes(f, p_out, opt_out, x)["in_place"] <= budget, str(r)
+    m = r.measure(*_init(), _batch(0))
+    assert m["inputs"] <= m["predicted"] <= budget and m["in_place"] <= budget, m
     # somewhere the state is split: all-B needs 4x the budget for the state alone
     assert any(s.is_split for nd in jax.tree.leaves(r.layouts[:2], is_leaf=_is_nd)
                for s in nd)
@@ -285,6 +287,9 @@ def test_flax_auto_budget_quarter(gpt_reference):
     batch = step.put_batch(_gpt_batches()[0])
     xla = measured_bytes(step.pure(graphdef, state, batch), state, batch)
     assert xla["in_place"] <= budget, (xla, budget, str(rep))
+    m = step.memory(model, opt, _gpt_batches()[0])
+    assert m["state"] == max(held) and m["predicted"] == rep.chosen.estimate.peak_bytes
+    assert m["in_place"] == xla["in_place"]
     np.testing.assert_allclose(losses, gpt_reference[0], rtol=1e-5)
     _check_params(model, gpt_reference[1])
 

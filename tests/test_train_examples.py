@@ -104,7 +104,7 @@ def test_train_gpt_cli_parallel_auto_prints_the_choice():
                        "--steps", "2", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Strategy.auto:" in out.stderr and "chosen:" in out.stderr and "memory budget 64.00 MiB" in out.stderr
-    assert "parameter layouts:" in out.stderr and "measured: model + optimizer state" in out.stderr
+    assert "parameter layouts:" in out.stderr and "measured per device: model + optimizer state" in out.stderr
     losses = [json.loads(line)["loss"] for line in out.stdout.splitlines() if line.strip()]
     np.testing.assert_allclose(losses, tg.train("none", steps=2).losses, rtol=1e-5)
 

@@ -186,6 +186,7 @@ class _Search:
                 )
         self.batch = batch
         self.candidates: list[Candidate] = []
+        self.errors: list[str] = []  # candidates that could not be planned, and why
         self._seen: dict = {}
 
     def plan(self, strategy: Strategy) -> Estimate:
@@ -218,8 +219,9 @@ class _Search:
             return self._seen[strategy]
         try:
             est = self.plan(strategy)
-        except SbpError:  # e.g. two names of one leaf on the tp axis: not a legal strategy
+        except SbpError as e:  # e.g. two names of one leaf on the tp axis: not a legal strategy
             self._seen[strategy] = None
+            self.errors.append(f"{name}: {e}")
             return None
         c = Candidate(name, strategy, est, self.budget is None or est.peak_bytes <= self.budget)
         self._seen[strategy] = c
@@ -250,6 +252,7 @@ def auto_strategy(
     accum: int = 1,
     cost_model: CostModel = DEFAULT_COST,
 ) -> Strategy:
+    """``Strategy.auto`` (see there and the module docstring)."""
     import time
 
     t0 = time.perf_counter()
@@ -337,6 +340,11 @@ def auto_strategy(
             continue
         for zero in (1, 2, 3):
             search.try_(_name(dp, tp, desc(tp_choice), zero), strategy(plc, tp_choice, zero))
+    if not search.candidates:
+        raise SbpError(
+            "Strategy.auto: no candidate strategy could be planned; the first error: "
+            + (search.errors[0] if search.errors else "none recorded")
+        )
     chosen = min(search.candidates, key=search.score)
     if not chosen.fits:
         e = chosen.estimate
