@@ -84,7 +84,7 @@ def test_models_benchmark_one_case_prints_its_table():
 def test_auto_benchmark_one_shape_prints_its_table():
     """benchmarks/auto.py (issue 20: Strategy.auto vs the hand-picked strategies) runs one shape
     end to end; every strategy's first losses match one device (it exits non-zero otherwise)."""
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
     res = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "auto.py"), "--only", "gpt", "--steps", "2",
