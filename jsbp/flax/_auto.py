@@ -237,6 +237,8 @@ def estimate_strategy(strategy: Strategy, *, model, optimizer, loss_fn, batch, a
 
 
 def _name(dp, tp, tp_desc, zero):
+    if dp == 1 and tp_desc == "{}":  # nothing split over tp and no dp: every value replicated
+        return f"replicated on {tp}"
     grid = "×".join(f"{a}={n}" for a, n in (("dp", dp), ("tp", tp)) if n > 1) or "one device"
     return grid + (f" {tp_desc}" if tp > 1 else "") + (f" zero-{zero}" if zero else "")
 
