@@ -70,6 +70,9 @@ class CostModel:
     latency: float = 2.8e-4  # s per collective launch
     flop_rate: float = 1.1e10  # matmul / convolution FLOP / s per device
     mem_bandwidth: float = 2.5e10  # bytes / s per device that every other op reads + writes
+    # bytes / s copied into / out of a combined collective's buffer (plain copies, the rate of
+    # other memory-bound ops; not fitted)
+    staging_bandwidth: float = 2.5e10
 
 
 DEFAULT_COST = CostModel()
@@ -86,6 +89,7 @@ class Estimate:
     input_bytes: int  # the inputs' local bytes (parameters, optimizer state, batch)
     peak_bytes: int  # inputs + the peak of live intermediates
     seconds: float  # the step time the cost model predicts
+    staging: float = 0.0  # bytes copied into and out of combined collectives' buffers
 
     @property
     def activation_bytes(self) -> int:
@@ -164,25 +168,35 @@ def _compute(prog: Program, mult: float = 1.0) -> tuple[float, float]:
 
 
 def _boxings(prog: Program):
-    yield from prog.out_boxings
+    """Every boxing of ``prog`` (nested programs included) with the dtype of the value it boxes."""
+    for bx in prog.out_boxings:
+        yield bx, prog.jaxpr.outvars[bx.operand].aval.dtype
     for st in prog.steps:
-        yield from st.boxings
+        for bx in st.boxings:
+            yield bx, st.eqn.invars[bx.operand].aval.dtype
         for s in subprograms(st):
             yield from _boxings(s)
 
 
-def _comm(prog: Program) -> tuple[float, int]:
-    nbytes, count, groups = 0.0, 0, set()
-    for bx in _boxings(prog):
+def _comm(prog: Program) -> tuple[float, int, float]:
+    """(bytes moved, collectives launched, staging bytes) per device. A combined collective
+    (``_combine``) copies its members into one buffer and back out: the full-size side of each
+    member twice (a transpose to blocks-first and the concatenation, or the gathered rows and
+    their reshape), the local side once."""
+    nbytes, count, staging, groups = 0.0, 0, 0.0, set()
+    for bx, dtype in _boxings(prog):
         if bx.reused:
             continue
         nbytes += bx.bytes_per_device
         if bx.group is not None:
+            item = _itemsize(dtype)
+            src, dst = math.prod(bx.src.local_shape) * item, math.prod(bx.dst.local_shape) * item
+            staging += 2 * max(src, dst) + min(src, dst)
             if bx.group in groups:
                 continue
             groups.add(bx.group)
         count += len(bx.collectives)
-    return nbytes, count
+    return nbytes, count, staging
 
 
 def _var_bytes(v, lay: Layout) -> int:
@@ -241,13 +255,13 @@ def _updates(prog: Program) -> frozenset:
 
 def estimate(prog: Program, cost: CostModel = DEFAULT_COST) -> Estimate:
     """The cost model's figures for a planned program (see the module docstring)."""
-    comm_bytes, count = _comm(prog)
+    comm_bytes, count, staging = _comm(prog)
     flops, traffic = _compute(prog)
     inputs = sum(_var_bytes(v, lay) for v, lay in zip(prog.jaxpr.invars, prog.in_layouts))
     peak = inputs + _intermediate_peak(prog, _updates(prog))
     seconds = (comm_bytes / cost.link_bandwidth + count * cost.latency + flops / cost.flop_rate
-               + traffic / cost.mem_bandwidth)
-    return Estimate(comm_bytes, count, flops, traffic, int(inputs), int(peak), seconds)
+               + traffic / cost.mem_bandwidth + staging / cost.staging_bandwidth)
+    return Estimate(comm_bytes, count, flops, traffic, int(inputs), int(peak), seconds, staging)
 
 
 def measured_bytes(fn, *args) -> dict[str, int]:
