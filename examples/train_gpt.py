@@ -4,6 +4,7 @@
     python examples/train_gpt.py --parallel dp=8 --zero 2
     python examples/train_gpt.py --parallel tp=8 --json --steps 20
     python examples/train_gpt.py --parallel none       # one device, plain jax.jit (the reference)
+    python examples/train_gpt.py --parallel auto --memory-budget 64MiB   # jsbp chooses the layouts
 
 The model is written once. Every parallelism is a ``jsbp.flax.Strategy`` — layouts only:
 
@@ -18,7 +19,11 @@ The model is written once. Every parallelism is a ``jsbp.flax.Strategy`` — lay
   over ``tp`` — which is Megatron's f/g pair: one all-reduce after each row-parallel layer in the
   forward, one after each column-parallel input in the backward, nothing between the pair;
 * ``--zero`` splits optimizer state (1), gradients (2) and parameters (3) over ``dp``;
-  ``--accum`` sums gradients over micro-batches and updates once per batch.
+  ``--accum`` sums gradients over micro-batches and updates once per batch;
+* ``--parallel auto`` lets ``jsbp.flax.Strategy.auto`` choose among all of these (every dp × tp
+  grid of the devices, which logical names go to ``tp``, the ZeRO stage) the one with the lowest
+  predicted step time whose predicted peak bytes per device fit ``--memory-budget``; it prints
+  every candidate it planned and the chosen layouts.
 
 Training is nanoGPT's recipe at a small size: adamw with a linear warmup and a cosine decay of the
 learning rate (``--lr``, ``--warmup``, ``--decay-steps``), 600 steps of 32 sequences; the run ends
@@ -56,11 +61,16 @@ DECAY_STEPS = 600  # cosine decay to LR / 10 over this many steps (then flat); f
 # ----------------------------------------------------------------------------------------------
 
 
-def parse_parallel(text: str) -> dict[str, int]:
-    """``"dp=2,tp=4"`` -> ``{"dp": 2, "tp": 4}``; ``"none"`` -> ``{}``."""
+AUTO_DEVICES = 8  # --parallel auto: devices to lay the model out on (simulated CPU devices by default)
+
+
+def parse_parallel(text: str) -> dict[str, int] | str:
+    """``"dp=2,tp=4"`` -> ``{"dp": 2, "tp": 4}``; ``"none"`` -> ``{}``; ``"auto"`` -> ``"auto"``."""
     text = text.strip().lower()
     if text in ("", "none"):
         return {}
+    if text == "auto":
+        return "auto"
     out: dict[str, int] = {}
     for part in text.split(","):
         name, eq, num = part.partition("=")
@@ -82,7 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--parallel",
         default=DEFAULT_PARALLEL,
-        help="'none' or comma-separated dp=N,tp=N,pp=N whose product is the device count (default %(default)s)",
+        help="'none', 'auto' (jsbp chooses the layouts on 8 devices) or comma-separated dp=N,tp=N,pp=N "
+        "whose product is the device count (default %(default)s)",
+    )
+    ap.add_argument(
+        "--memory-budget",
+        default=None,
+        help="with --parallel auto: bytes per device the predicted peak must fit, e.g. 64MiB (default: no limit)",
     )
     ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over dp")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -333,6 +349,19 @@ def make_strategy(axes: dict[str, int], zero: int = 0) -> jflax.Strategy | None:
     return jflax.Strategy(plc, logical_axes=logical, zero=zero)
 
 
+def auto_strategy(model, optimizer, batch, memory_budget=None, *, accum: int = 1, zero: int = 0):
+    """``Strategy.auto`` on the first ``AUTO_DEVICES`` devices for this model, optimizer and a
+    batch of the run's shape; ``strategy.report`` lists what it planned."""
+    if zero:
+        raise jsbp.SbpError("--zero with --parallel auto: the ZeRO stage is part of what auto chooses; drop --zero.")
+    devices = jax.devices()
+    if len(devices) < AUTO_DEVICES:
+        raise jsbp.SbpError(f"--parallel auto lays the model out on {AUTO_DEVICES} devices, JAX has {len(devices)}.")
+    plc = jsbp.placement(devices[0].platform, [d.id for d in devices[:AUTO_DEVICES]])
+    return jflax.Strategy.auto(plc, memory_budget, model=model, optimizer=optimizer, loss_fn=loss_fn,
+                               batch=batch, accum=accum)
+
+
 # ----------------------------------------------------------------------------------------------
 # training
 # ----------------------------------------------------------------------------------------------
@@ -365,14 +394,20 @@ def train(
     save_every: int = 0,
     ckpt_dir: str | None = None,
     resume: str | None = None,
+    memory_budget=None,
 ) -> Run:
-    """Train ``steps`` optimizer steps; returns the per-step losses and the final (gathered) model."""
+    """Train ``steps`` optimizer steps; returns the per-step losses and the final (gathered) model.
+    ``parallel="auto"``: ``Strategy.auto`` chooses the layouts (``memory_budget`` per device)."""
     if isinstance(parallel, str):
         parallel = parse_parallel(parallel)
     corpus = corpus or Corpus()
     cfg = cfg or GPTConfig(vocab=corpus.vocab)
-    strategy = make_strategy(parallel, zero)
     model, optimizer = init(cfg, seed, lr_schedule(lr, warmup, decay_steps))
+    if parallel == "auto":
+        strategy = auto_strategy(model, optimizer, next(corpus.batches(seed, batch, cfg.seq)),
+                                 memory_budget, accum=accum, zero=zero)
+    else:
+        strategy = make_strategy(parallel, zero)
     if strategy is not None:
         model, optimizer = jflax.shard((model, optimizer), strategy)
     step = jflax.make_train_step(loss_fn, strategy, accum=accum)
@@ -445,7 +480,7 @@ def sample(
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     axes = parse_parallel(args.parallel)
-    if axes.get("pp", 1) > 1:  # pipeline parallelism lives in its own driver (jsbp.pipeline)
+    if axes != "auto" and axes.get("pp", 1) > 1:  # pipeline parallelism lives in its own driver (jsbp.pipeline)
         if args.microbatches is None:
             print("train_gpt.py: --parallel with pp > 1 needs --microbatches N", file=sys.stderr)
             return 2
@@ -456,8 +491,13 @@ def main(argv=None) -> int:
                "--steps", str(args.steps), "--seed", str(args.seed), "--batch", str(args.batch), "--lr", str(args.lr),
                "--warmup", str(args.warmup), "--decay-steps", str(args.decay_steps)]
         return train_gpt_pipeline.main(fwd + (["--json"] if args.json else []))
+    if args.memory_budget is not None and axes != "auto":
+        print("train_gpt.py: --memory-budget needs --parallel auto", file=sys.stderr)
+        return 2
     if "WORLD_SIZE" in os.environ:  # started by python -m jsbp.launch (or torchrun-style variables)
         jsbp.distributed.initialize()
+    elif axes == "auto":
+        configure_devices(AUTO_DEVICES)
     else:
         configure_devices(math.prod(axes.values()) if axes else 1)
     out = sys.stderr if args.json else sys.stdout
@@ -477,6 +517,14 @@ def main(argv=None) -> int:
         if strategy is None:
             show("parallel: none (one device, plain jax.jit)")
             return
+        if strategy.report is not None:  # --parallel auto: what was planned, what was chosen
+            show(str(strategy.report))
+            m = step.memory(model, optimizer, batch)
+            show(
+                f"measured per device: model + optimizer state {m['state'] / 2**20:.2f} MiB "
+                f"(predicted {m['predicted_state'] / 2**20:.2f} MiB); XLA's peak of the step with its state "
+                f"updated in place {m['in_place'] / 2**20:.2f} MiB (predicted {m['predicted'] / 2**20:.2f} MiB)\n"
+            )
         show(f"{strategy}")
         show("\nparameter layouts:")
         show(jflax.describe(model))
@@ -520,6 +568,7 @@ def main(argv=None) -> int:
             save_every=args.save_every,
             ckpt_dir=args.ckpt_dir,
             resume=args.resume,
+            memory_budget=args.memory_budget,
         )
     except jsbp.SbpError as e:
         if bar is not None:

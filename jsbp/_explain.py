@@ -79,6 +79,9 @@ class Plan:
     rows: list[PlanRow]
     output_boxings: list[BoxingRow]
     placement: object
+    # the cost model's figures (``jsbp._auto.Estimate``): predicted step time and peak bytes per
+    # device (inputs + live intermediates); ``jsbp.debug.measured_bytes`` gives XLA's
+    estimate: object = None
 
     def boxings(self) -> list[BoxingRow]:
         return [b for r in self.rows for b in r.boxings] + list(self.output_boxings)
@@ -117,6 +120,12 @@ class Plan:
             f"total: {sum(c.values())} collective(s) {c if c else ''}, "
             f"{_fmt_bytes(self.total_bytes_per_device)} per device"
         )
+        if self.estimate is not None:
+            e = self.estimate
+            lines.append(
+                f"predicted per device: peak {_fmt_bytes(e.peak_bytes)} (inputs {_fmt_bytes(e.input_bytes)} + "
+                f"live intermediates {_fmt_bytes(e.activation_bytes)}), step {e.seconds * 1e3:.2f} ms (cost model)"
+            )
         return "\n".join(lines)
 
     def _repr_html_(self):
@@ -142,7 +151,9 @@ def plan_of_program(prog, placement) -> Plan:
             for b in s.out_boxings:
                 rows.append(PlanRow(depth + 1, "(carry/branch out)", (b and _sbp.nd_str(b.src.nd_sbp),), "",
                                     (_sbp.nd_str(b.dst.nd_sbp),), (_boxing_row(b),)))
-    return Plan(rows, [_boxing_row(b) for b in prog.out_boxings], placement)
+    from ._auto import estimate
+
+    return Plan(rows, [_boxing_row(b) for b in prog.out_boxings], placement, estimate(prog))
 
 
 def explain(fn, *args) -> Plan:

@@ -78,3 +78,20 @@ def test_models_benchmark_one_case_prints_its_table():
     assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{res.stderr[-4000:]}"
     rows = [line for line in res.stdout.splitlines() if line.startswith("| cnn | dp8 |")]
     assert len(rows) == 1, res.stdout
+
+
+@pytest.mark.slow
+def test_auto_benchmark_one_shape_prints_its_table():
+    """benchmarks/auto.py (issue 20: Strategy.auto vs the hand-picked strategies) runs one shape
+    end to end; every strategy's first losses match one device (it exits non-zero otherwise)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "auto.py"), "--only", "gpt", "--steps", "2",
+         "--warmup", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+    )
+    out = res.stdout
+    assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
+    for row in ("| dp8 |", "| tp8 |", "| dp2_tp4 |", "| zero1 |", "| zero2 |", "| zero3 |", "| **auto**"):
+        assert row in out, row

@@ -29,6 +29,8 @@ NAMES = [
     ("jsbp", "PlacementError"),
     ("jsbp", "debug"),
     ("jsbp.debug", "count_collectives"),
+    ("jsbp", "auto_layouts"),
+    ("jsbp.debug", "measured_bytes"),
 ]
 
 

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import jsbp
+import jsbp.flax as jflax
 
 FULL = os.environ.get("JSBP_FULL", "") not in ("", "0")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -77,6 +78,35 @@ def test_corpus_is_shipped_and_batches_depend_only_on_the_seed():
     for _ in range(3):
         np.testing.assert_array_equal(next(a), next(b))
     assert not np.array_equal(next(corpus.batches(3, 4, 16)), next(corpus.batches(4, 4, 16)))
+
+
+def test_train_gpt_parallel_auto_matches_one_device(capsys):
+    """--parallel auto: Strategy.auto chooses the layouts, they are printed with the report, and
+    training matches one device (a small model, so the search and the steps stay quick)."""
+    cfg = tg.GPTConfig(vocab=56, seq=16, d_model=32, n_heads=4, n_layers=1, d_mlp=64)
+    run = tg.train("auto", steps=3, seed=1, batch=8, cfg=cfg, memory_budget="64MiB")
+    report = run.step_fn.strategy.report
+    assert report is not None and report.chosen.fits and report.memory_budget == 64 * 2**20
+    assert max(jflax.local_nbytes(run.sharded)) == report.state_bytes
+    ref = tg.train("none", steps=3, seed=1, batch=8, cfg=cfg)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5)
+    assert tg.parse_parallel(" AUTO ") == "auto"
+    assert tg.main(["--parallel", "dp=8", "--memory-budget", "64MiB", "--steps", "1"]) == 2
+    assert "--memory-budget needs --parallel auto" in capsys.readouterr().err
+    with pytest.raises(jsbp.SbpError, match="the ZeRO stage is part of what auto chooses"):
+        tg.train("auto", zero=2, steps=1, cfg=cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL, reason="the --parallel auto command line: set JSBP_FULL=1")
+def test_train_gpt_cli_parallel_auto_prints_the_choice():
+    out = _run_example("examples/train_gpt.py", "--parallel", "auto", "--memory-budget", "64MiB",
+                       "--steps", "2", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Strategy.auto:" in out.stderr and "chosen:" in out.stderr and "memory budget 64.00 MiB" in out.stderr
+    assert "parameter layouts:" in out.stderr and "measured per device: model + optimizer state" in out.stderr
+    losses = [json.loads(line)["loss"] for line in out.stdout.splitlines() if line.strip()]
+    np.testing.assert_allclose(losses, tg.train("none", steps=2).losses, rtol=1e-5)
 
 
 def test_train_gpt_cli_json_matches_one_device():

@@ -130,6 +130,8 @@ class Strategy:
     param_sbp: Any = ()
     data_axis: str | None = None
     zero: int = 0
+    # what Strategy.auto planned and chose (an AutoReport); None for a strategy written by hand
+    report: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.placement, Placement):
@@ -198,6 +200,33 @@ class Strategy:
         return (
             f"Strategy(placement={self.placement!r}, logical_axes={la}, param_sbp={rules}, "
             f"data_axis={self.data_axis!r}, zero={self.zero})"
+        )
+
+    @classmethod
+    def auto(
+        cls, placement: Placement, memory_budget=None, *, model, optimizer, loss_fn, batch,
+        accum: int = 1, cost_model=None,
+    ) -> Strategy:
+        """Choose a strategy for ``model`` / ``optimizer`` / ``loss_fn`` on ``placement``'s
+        devices: the cheapest (estimated step time: collectives + compute) whose predicted peak
+        bytes per device fit ``memory_budget`` (bytes, or a string such as ``"64MiB"``; ``None``:
+        no limit). Candidates: every ``dp × tp`` grid of the devices, tensor parallelism over the
+        model's logical axis names (or its largest weights' dims), ZeRO 0-3 over ``dp``; see
+        ``jsbp.flax._auto``. ``batch`` is one host batch (shapes only are read). The returned
+        strategy's ``report`` lists every candidate with its estimate; its placement is a
+        ``dp`` / ``tp`` grid of the same devices.
+
+        >>> s = jflax.Strategy.auto(p, "64MiB", model=model, optimizer=opt, loss_fn=loss_fn, batch=b)  # doctest: +SKIP
+        >>> print(s.report); model, opt = jflax.shard((model, opt), s)                                 # doctest: +SKIP
+
+        Raises ``SbpError`` when no candidate fits the budget, naming the smallest peak found.
+        """
+        from .._auto import DEFAULT_COST
+        from ._auto import auto_strategy
+
+        return auto_strategy(
+            placement, memory_budget, model=model, optimizer=optimizer, loss_fn=loss_fn,
+            batch=batch, accum=accum, cost_model=cost_model or DEFAULT_COST,
         )
 
     # -- logical names ------------------------------------------------------------------------

@@ -283,6 +283,25 @@ class TrainStep:
         batch = self.put_batch(batch)
         return explain(self._compiled(graphdef, state, batch), state, batch)
 
+    def memory(self, model, optimizer, batch, rngs=None) -> dict[str, int]:
+        """Bytes per device of one step: ``state`` (model + optimizer state on the fullest device,
+        from the local shards), XLA's figures for the compiled step (``jsbp.debug.measured_bytes``:
+        ``in_place`` is the step with its state updated in place) and, for a strategy chosen by
+        ``Strategy.auto``, the ``predicted`` peak and ``predicted_state``."""
+        from .._auto import measured_bytes
+        from ._state import local_nbytes
+
+        if self.strategy is None:
+            raise SbpError("memory: this step has no strategy (it runs on one device with plain jax.jit).")
+        _, graphdef, state = self._split(model, optimizer, rngs)
+        batch = self.put_batch(batch)
+        out = {"state": max(local_nbytes((model, optimizer)) or [0])}
+        out.update(measured_bytes(self._compiled(graphdef, state, batch), state, batch))
+        report = self.strategy.report
+        if report is not None:
+            out.update(predicted=report.chosen.estimate.peak_bytes, predicted_state=report.state_bytes)
+        return out
+
     def count_collectives(self, model, optimizer, batch, rngs=None) -> dict[str, int]:
         """The collectives XLA emits for one step (``jsbp.debug.count_collectives``)."""
         from ..debug import count_collectives
