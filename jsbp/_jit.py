@@ -196,7 +196,18 @@ def _out_nd_list(out_sbp, n_out, placement, out_shapes):
         if isinstance(out_sbp, (list, tuple)) and len(out_sbp) == n_out:
             specs = [None if s is None else _sbp.parse_nd(s, placement.ndim) for s in out_sbp]
         else:
-            leaves = jax.tree_util.tree_leaves(out_sbp, is_leaf=lambda s: s is None or isinstance(s, (str, _sbp.Sbp, tuple)))
+            def is_nd(s):  # a tuple is an nd-sbp where it parses as one, else a container
+                if s is None or isinstance(s, (str, _sbp.Sbp)):
+                    return True
+                if not isinstance(s, tuple):
+                    return False
+                try:
+                    _sbp.parse_nd(s, placement.ndim)
+                    return True
+                except SbpError:
+                    return False
+
+            leaves = jax.tree_util.tree_leaves(out_sbp, is_leaf=is_nd)
             if len(leaves) != n_out:
                 raise SbpError(
                     f"jsbp.jit: out_sbp={out_sbp!r} gives {len(leaves)} layouts for {n_out} outputs; pass one "

@@ -334,6 +334,20 @@ def test_out_sbp_forces_layout():
     assert a.sbp == (sbp.split(1),) and b.sbp == (sbp.partial_sum,)
 
 
+def test_out_sbp_follows_nested_outputs():
+    """A tuple in ``out_sbp`` is an nd-sbp where it parses as one, else a container of them; a
+    function of the output structure works too."""
+    xv = rand(4, 6)
+    x = gt(xv, Q22, ("S(0)", "B"))
+    (a, b), c = jsbp.jit(lambda x: ((x, x * 2), x + 1),
+                         out_sbp=((("B", "B"), ("S(1)", "S(0)")), ("S(0)", "S(1)")))(x)
+    assert (a.sbp, b.sbp, c.sbp) == ((sbp.broadcast,) * 2, (sbp.split(1), sbp.split(0)),
+                                     (sbp.split(0), sbp.split(1)))
+    np.testing.assert_allclose(b.numpy(), xv * 2)
+    a, b = jsbp.jit(lambda x: (x, x * 2), out_sbp=lambda tree: [None] * (tree.num_leaves - 1) + [("B", "B")])(x)
+    assert a.sbp == (sbp.split(0), sbp.broadcast) and b.sbp == (sbp.broadcast, sbp.broadcast)
+
+
 def test_static_argnums_and_plain_inputs():
     xv = rand(8, 6)
     f = jsbp.jit(lambda x, n, c: x * n + c, static_argnums=1)
