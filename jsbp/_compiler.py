@@ -111,13 +111,16 @@ def _moves_cost(moves) -> float:
     return sum(m.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if m.collective else 0.0) for m in moves)
 
 
-SMALL_PARTIAL_BYTES = COLLECTIVE_LATENCY_BYTES / 16
-"""A partial value of at most this many bytes is charged, when a signature wants it split, what
-reducing it whole (all-reduce) and slicing costs: for small values a reduce-scatter saves a few
-bytes of a collective that costs its latency either way, and the whole copy serves every later
-consumer (BatchNorm's batch statistics: reduce-scattered for the variance, then all-gathered
-back for the normalisation). Only the choice of signature sees this; the boxing itself still
-runs as a reduce-scatter where it is asked for."""
+SMALL_PARTIAL_BYTES = COLLECTIVE_LATENCY_BYTES / 256
+"""A partial value of at most this many bytes (4 KiB) is charged, when a signature wants it split,
+what reducing it whole (all-reduce) and slicing costs: for such values a reduce-scatter saves a
+few bytes of a collective that costs its latency either way, and the whole copy serves every
+later consumer (BatchNorm's batch statistics: reduce-scattered for the variance, then all-gathered
+back for the normalisation). Only the choice of signature sees this; the boxing itself still runs
+as a reduce-scatter where it is asked for. At 64 KiB it also caught whole activations of small
+models, whose reduce-scatter the planner then avoided by keeping the partial sum to the end (a
+blocked cumsum all-reduced its 32 KiB result instead of reduce-scattering 192 bytes of block
+totals)."""
 
 
 def _charge(src, dst, shape, hier, size, fixed="src") -> tuple[float, int]:
