@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from . import _sbp
+from . import _planner, _sbp
 from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, plan_cost, run_plan
 from ._combine import Groups, combine_collectives, is_deferred, passes_on
 from ._errors import NoRuleWarning, SbpError
@@ -153,6 +153,14 @@ class _Inference:
         # anchored greedy pass watches for it (``_search`` sets False), others leave None
         self.diverged: bool | None = None
         self.trace: list = []  # top-scope decisions, in program order, for ``_backward_demand``
+        # the global planner's decisions (``_planner``): id(top-scope equation) -> signature, and
+        # the ids of those this pass could follow (a decision is followed when it is legal for
+        # the layouts the pass sees)
+        self.fixed: dict | None = None
+        self.followed: set = set()
+        # value -> the layout it is first converted to when several of its readers can be served
+        # from that one conversion (``box_operand``; chosen by the global planner)
+        self.hubs: dict = {}
 
     def key(self, v):
         while v in self.alias:
@@ -192,6 +200,27 @@ class _Inference:
                 best, cost = bx, c
         held[dst.nd_sbp] = None
         return best
+
+    def box_operand(self, i, cur: Layout, dst: Layout, v) -> list[Boxing]:
+        """``box_value``, going through the value's hub layout (``hubs``) first where one was
+        chosen and converting from it is no dearer: the conversion to the hub is then made once
+        and the readers that follow slice or convert from it (one all-reduce serving a reader
+        that wants ``(S(0), B)`` and one that wants ``(B, B)``, not a reduce-scatter and an
+        all-reduce)."""
+        hub = None if self.depth != 1 or isinstance(v, jcore.Literal) else self.hubs.get(self.key(v))
+        if hub is not None and hub not in (cur.nd_sbp, dst.nd_sbp):
+            held = self.held(v)
+            if dst.nd_sbp not in held and hub not in held:
+                h_lay = self.lay(hub, v.aval)
+                then = self.box(i, h_lay, dst, v.aval)
+                direct = self.box(i, cur, dst, v.aval)
+                if _moves_cost(then.moves) <= _moves_cost(direct.moves):
+                    pre = self.box_value(i, cur, h_lay, v)
+                    then.via = True  # from the conversion just made
+                    self.boxed.setdefault(self.key(v), {})[dst.nd_sbp] = None
+                    return [pre, then]
+        bx = self.box_value(i, cur, dst, v)
+        return [] if bx is None else [bx]
 
     # ---------------------------------------------------------------------------------------
     def program(self, jaxpr, consts, in_layouts, out_nd=None, *, inline_of=None) -> Program:
@@ -295,6 +324,11 @@ class _Inference:
         collectives, fewer partial outputs, and not splitting an axis no input splits. An operand
         layout for which ``avail(value, nd)`` holds costs nothing (by default: another consumer
         asked for that conversion in the last backward walk, so it is made anyway)."""
+        if self.fixed is not None and self.depth == 1:
+            sig = self.fixed.get(id(eqn))
+            if sig is not None and sig in cands:
+                self.followed.add(id(eqn))
+                return sig
         if avail is None:
             def avail(v, nd):
                 return _asked_by_another(self.demand, v, nd, eqn)
@@ -434,14 +468,12 @@ class _Inference:
         in_lays = [self.lay(nd, v.aval) for nd, v in zip(ins, eqn.invars)]
         boxings = []
         for i, (c, w, v) in enumerate(zip(cur, in_lays, eqn.invars)):
-            bx = self.box_value(i, c, w, v)
-            if bx is None:
-                continue
-            if self.budget != _NO_BUDGET and self.depth == 1 and not bx.reused:
-                self.spent += _moves_cost(bx.moves)
-                if self.spent >= self.budget:
-                    raise _OverBudget
-            boxings.append(bx)
+            for bx in self.box_operand(i, c, w, v):
+                if self.budget != _NO_BUDGET and self.depth == 1 and not bx.reused:
+                    self.spent += _moves_cost(bx.moves)
+                    if self.spent >= self.budget:
+                        raise _OverBudget
+                boxings.append(bx)
         out_lays = [self.lay(nd, v.aval) for nd, v in zip(outs, eqn.outvars)]
         return Step(eqn, in_lays, out_lays, boxings, rule=rule)
 
@@ -873,8 +905,8 @@ def _infer_annotate(inf: _Inference, eqn, cur):
     if nd is None:
         return Step(eqn, list(cur), list(cur), [], kind="annotate")
     want = inf.lay(nd, eqn.invars[0].aval)
-    bx = inf.box_value(0, cur[0], want, eqn.invars[0])  # later consumers may reuse or slice it
-    return Step(eqn, [want], [want], [bx] if bx is not None else [], kind="annotate")
+    bxs = inf.box_operand(0, cur[0], want, eqn.invars[0])  # later consumers may reuse or slice it
+    return Step(eqn, [want], [want], bxs, kind="annotate")
 
 
 def _infer_linear_solve(inf: _Inference, eqn, cur):
@@ -907,8 +939,7 @@ def _infer_sharding_request(inf: _Inference, eqn, cur):
     if nd is None:
         return Step(eqn, list(cur), list(cur), [], kind="annotate")
     want = inf.lay(nd, eqn.invars[0].aval)
-    bx = inf.box_value(0, cur[0], want, eqn.invars[0])
-    return Step(eqn, [want], [want], [bx] if bx is not None else [], kind="annotate")
+    return Step(eqn, [want], [want], inf.box_operand(0, cur[0], want, eqn.invars[0]), kind="annotate")
 
 
 _HIGHER_ORDER = {
@@ -1117,8 +1148,9 @@ def _reduce_before_transposes(prog: Program) -> None:
             continue
         c, i = y_uses[0]
         consumer = prog.steps[c]
-        bx = next((b for b in consumer.boxings if b.operand == i), None)
-        if bx is None or bx.reused or any(bx.dst.nd_sbp[a].is_partial for a in lout.partial_axes):
+        mine = [b for b in consumer.boxings if b.operand == i]
+        bx = mine[0] if len(mine) == 1 else None  # (not a conversion through a hub layout)
+        if bx is None or bx.reused or bx.via or any(bx.dst.nd_sbp[a].is_partial for a in lout.partial_axes):
             continue
         perm = st.eqn.params["permutation"]
         nd = tuple(_sbp.split(perm[x_.dim]) if x_.is_split else x_ for x_ in bx.dst.nd_sbp)
@@ -1194,7 +1226,10 @@ def infer(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = F
     reduce-scatters / all-gathers batched into combined collectives (``_combine``). A primitive
     without a rule runs replicated with a ``NoRuleWarning`` (``strict``: an ``SbpError``)."""
     with _gc_paused():
-        prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict)
+        if _planner.enabled():
+            prog = _planner.search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict)
+        else:
+            prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict)
         _reduce_before_transposes(prog)
         combine_collectives(prog)
     _warn_replicated(prog, placement)
@@ -1242,6 +1277,11 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False) -> 
     refined as such. Otherwise its refined cost times ``SEED_SLACK`` is the free seed's budget:
     the free seed stops as soon as its boxings cost that much (a refinement pass rarely gains
     more), and is refined only if it stays within it."""
+    return _search_pass(placement, jaxpr, consts, in_layouts, out_nd, strict)[0]
+
+
+def _search_pass(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
+    """``_search``'s program and the inference pass that built it (``_planner`` starts there)."""
     args = (jaxpr, consts, in_layouts, out_nd)
     inputs = frozenset(jaxpr.invars)
     anch = _Inference(placement, None, {}, inputs, strict=strict)
@@ -1250,38 +1290,39 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False) -> 
     if not anch.diverged:
         # no equation would convert an input without the anchors: this is the free seed
         anch.anchored = frozenset()
-        return _refine(anch, anch_prog, args)[0]
-    best, best_cost = _refine(anch, anch_prog, args)
+        return _refine(anch, anch_prog, args)[::2]
+    best, best_cost, best_inf = _refine(anch, anch_prog, args)
     free = _Inference(placement, None, anch.cands_cache, budget=best_cost * SEED_SLACK, strict=strict,
                       copies=anch.copies)
     try:
         free_prog = free.program(*args)
     except _OverBudget:
-        return best
+        return best, best_inf
     if program_cost(free_prog) < best_cost * SEED_SLACK:
-        prog, cost = _refine(free, free_prog, args)
+        prog, cost, inf = _refine(free, free_prog, args)
         if cost < best_cost:
-            best = prog
-    return best
+            best, best_inf = prog, inf
+    return best, best_inf
 
 
-def _refine(inf, prog, args) -> tuple[Program, float]:
+def _refine(inf, prog, args) -> tuple[Program, float, _Inference]:
     """Up to ``LOOKAHEAD_ROUNDS`` lookahead passes after ``inf``'s pass (which made ``prog``);
-    the cheapest program and its cost. ``args``: ``infer``'s (jaxpr, consts, in_layouts, out_nd)."""
+    the cheapest program, its cost and the pass that made it. ``args``: ``infer``'s (jaxpr,
+    consts, in_layouts, out_nd)."""
     jaxpr, _, _, out_nd = args
     cost = program_cost(prog)
     for _ in range(LOOKAHEAD_ROUNDS):
         if cost == 0.0:
             break
         demand = inf.backward_demand(jaxpr.outvars, out_nd)
-        inf = _Inference(inf.placement, demand, inf.cands_cache, inf.anchored, strict=inf.strict,
+        nxt = _Inference(inf.placement, demand, inf.cands_cache, inf.anchored, strict=inf.strict,
                          copies=inf.copies)
-        new = inf.program(*args)
+        new = nxt.program(*args)
         new_cost = program_cost(new)
         if new_cost >= cost:
             break
-        prog, cost = new, new_cost
-    return prog, cost
+        prog, cost, inf = new, new_cost, nxt
+    return prog, cost, inf
 
 
 class _OverBudget(Exception):
