@@ -36,15 +36,25 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import _sbp
-from ._boxing import COLLECTIVE_LATENCY_BYTES, _best
+from ._boxing import _best
 
 _BCAST = _sbp.broadcast
 
-COMPUTE_BYTES_PER_FLOP = 1.0 / 256
-"""Byte-equivalents charged per floating-point operation a device computes (``_work``). Small on
-purpose: a collective's latency (1 MiB) is worth about 268 M flops at this rate, so communication
-dominates and compute separates plans whose communication is (nearly) equal — a matmul computed
-whole on every device against one split over them."""
+COMPUTE_BYTES_PER_FLOP = 2.0 ** -20
+"""Byte-equivalents charged per floating-point operation a device computes (``_work``): one per
+million. Small on purpose — a tie-breaker more than a trade-off: a collective's latency (1 MiB)
+is worth 10^12 flops at this rate, and even a local slice (``_boxing._LOCAL_COST``, one byte) is
+worth a million, so compute only separates plans whose communication is equal: a matmul
+computed whole on every device against one split over them."""
+
+ANCHOR_BYTES = float(1 << 40)
+"""Charged for a conversion of a program input (parameter, optimizer state, batch) that needs a
+collective. The layouts a user gives the inputs say how they want the work divided (a split
+batch: data parallel; split weights: Megatron); by communication alone, gathering a small batch
+and computing the whole step on every device is often "cheaper" than reducing the gradients.
+Like the anchored seed of ``_compiler._search``, the plan keeps inputs as given wherever some
+signature can read them so (a consumer that cannot pays the same charge whatever it chooses),
+and ``search`` still returns today's plan where that costs less."""
 
 ILP_MAX_VARS = 4_000
 """Above this many binary variables the problem is solved by ``_descent`` from the reference
@@ -81,6 +91,7 @@ class Value:
     itemsize: int
     producer: tuple | None = None  # (node index, output index); None: fixed layout ``nd``
     nd: tuple | None = None
+    anchored: bool = False  # a program input (``ANCHOR_BYTES``)
     uses: list = dataclasses.field(default_factory=list)  # (node index, operand index)
     shared: set = dataclasses.field(default_factory=set)  # fixed targets sharing the conversion cache
     own: list = dataclasses.field(default_factory=list)  # fixed targets each converting alone
@@ -94,17 +105,21 @@ class Problem:
     _cost_cache: dict = dataclasses.field(default_factory=dict)
 
     def edge(self, v: Value, src, dst) -> float:
-        """The cost of boxing ``v`` from ``src`` to ``dst`` (``_compiler._moves_cost``)."""
+        """The cost of boxing ``v`` from ``src`` to ``dst``: ``_boxing.plan_cost``, i.e. bytes
+        per device plus a latency per collective (``_compiler._moves_cost``) plus the boxing
+        planner's small charge per local move."""
         if src == dst:
             return 0.0
-        key = (src, dst, v.shape, v.itemsize)
+        key = (src, dst, v.shape, v.itemsize, v.anchored)
         hit = self._cost_cache.get(key)
         if hit is None:
-            # ``_compiler._moves_cost(plan(...))`` without building the moves
+            # ``_compiler._moves_cost(plan(...))`` without building the moves, plus the
+            # planner's small charge for a local move (a slice, a zero-fill) that it ranks by
             total = float(math.prod(v.shape) * v.itemsize)
-            _, path = _best(src, dst, len(v.shape), self.hierarchy, total)
-            hit = self._cost_cache[key] = sum(
-                m.bytes_per_device * total + (COLLECTIVE_LATENCY_BYTES if m.collective else 0.0) for m in path)
+            cost, path = _best(src, dst, len(v.shape), self.hierarchy, total)
+            if v.anchored and any(m.collective for m in path):
+                cost += ANCHOR_BYTES
+            hit = self._cost_cache[key] = cost
         return hit
 
 
@@ -207,6 +222,8 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
                 fixed_value(v, lay.nd_sbp)
 
     walk(prog)
+    for v in jaxpr.invars:
+        values[inf.key(v)].anchored = True
     for v, want in zip(jaxpr.outvars, out_nd or ()):
         if want is not None and not isinstance(v, jcore.Literal):
             _, val = value(v)
@@ -615,7 +632,7 @@ class _Pairwise:
 def _matrix(prob, val, src, dst) -> np.ndarray:
     """Edge costs between candidate lists by their layouts (each distinct pair costed once)."""
     su, du = tuple(dict.fromkeys(src)), tuple(dict.fromkeys(dst))
-    key = (val.shape, val.itemsize, su, du)
+    key = (val.shape, val.itemsize, val.anchored, su, du)
     small = prob._cost_cache.get(key)
     if small is None:
         small = prob._cost_cache[key] = np.array([[prob.edge(val, a, b) for b in du] for a in su])
