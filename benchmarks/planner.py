@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timing-only", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--layers", default="1,4,16,24", help="blocks of the timing rows")
-    ap.add_argument("--record", default="", help="write search-planner costs of the programs here (JSON)")
+    ap.add_argument("--record", default="", help="merge the search planner's costs of the programs into this JSON file")
     ap.add_argument("--json", default="", help="write all results here (JSON)")
     args = ap.parse_args(argv)
     print(f"# jsbp planner benchmark: {jax.device_count()} simulated CPU devices, {os.cpu_count()} CPU cores, "
@@ -278,10 +278,12 @@ def main(argv=None) -> int:
         rows = planning_times(tuple(int(x) for x in args.layers.split(",")))
         print()
         print(time_table(rows))
-    if args.record:
-        pathlib.Path(args.record).write_text(json.dumps(
-            {name: {"cost": r["search"]["cost"], "collectives": r["search"]["collectives"]}
-             for name, r in results.items()}, indent=1, sort_keys=True) + "\n")
+    if args.record:  # merged into what the file already holds
+        path = pathlib.Path(args.record)
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table.update({name: {"cost": r["search"]["cost"], "collectives": r["search"]["collectives"]}
+                      for name, r in results.items()})
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"costs": results, "timing": rows}, indent=1))
     return 0

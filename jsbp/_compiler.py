@@ -1226,10 +1226,7 @@ def infer(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = F
     reduce-scatters / all-gathers batched into combined collectives (``_combine``). A primitive
     without a rule runs replicated with a ``NoRuleWarning`` (``strict``: an ``SbpError``)."""
     with _gc_paused():
-        if _planner.enabled():
-            prog = _planner.search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict)
-        else:
-            prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict)
+        prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict)
         _reduce_before_transposes(prog)
         combine_collectives(prog)
     _warn_replicated(prog, placement)
@@ -1277,6 +1274,8 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False) -> 
     refined as such. Otherwise its refined cost times ``SEED_SLACK`` is the free seed's budget:
     the free seed stops as soon as its boxings cost that much (a refinement pass rarely gains
     more), and is refined only if it stays within it."""
+    if _planner.enabled():  # the global planner (starts from this search's plan)
+        return _planner.search(placement, jaxpr, consts, in_layouts, out_nd, strict)
     return _search_pass(placement, jaxpr, consts, in_layouts, out_nd, strict)[0]
 
 

@@ -40,12 +40,12 @@ from ._boxing import _best
 
 _BCAST = _sbp.broadcast
 
-COMPUTE_BYTES_PER_FLOP = 2.0 ** -20
-"""Byte-equivalents charged per floating-point operation a device computes (``_work``): one per
-million. Small on purpose — a tie-breaker more than a trade-off: a collective's latency (1 MiB)
-is worth 10^12 flops at this rate, and even a local slice (``_boxing._LOCAL_COST``, one byte) is
-worth a million, so compute only separates plans whose communication is equal: a matmul
-computed whole on every device against one split over them."""
+COMPUTE_BYTES_PER_FLOP = 1.0 / 64
+"""Byte-equivalents charged per floating-point operation a device computes (``_work``). Moving a
+byte and computing a flop cost about the same on simulated CPU devices and ~1/1000 apart on
+NVLink GPUs; 1/64 sits between. A collective's latency (1 MiB) is then worth 64 M flops: a
+matmul computed whole on every device (a B signature) pays for its repeated work, small
+elementwise work barely counts."""
 
 ANCHOR_BYTES = float(1 << 40)
 """Charged for a conversion of a program input (parameter, optimizer state, batch) that needs a
@@ -56,12 +56,17 @@ Like the anchored seed of ``_compiler._search``, the plan keeps inputs as given 
 signature can read them so (a consumer that cannot pays the same charge whatever it chooses),
 and ``search`` still returns today's plan where that costs less."""
 
-ILP_MAX_VARS = 4_000
-"""Above this many binary variables the problem is solved by ``_descent`` from the reference
-plan instead of exactly."""
+ILP_MAX_VARS = 2_000
+"""Programs with at most this many candidate signatures in all are also solved as a mixed-integer
+program (``solve_ilp``); larger ones only by graph reduction and descent."""
 
-ILP_TIME_LIMIT = 2.0
-"""Seconds HiGHS may spend; on time out the best feasible solution found is used."""
+ILP_NODE_LIMIT = 500
+"""Branch-and-bound nodes HiGHS may explore: a work limit, not a time limit, so that the plan
+never depends on how busy the machine is. The best solution found within it is a proposal like
+any other (``solve`` keeps the cheapest)."""
+
+ILP_TIME_LIMIT = 30.0
+"""A safety net only (seconds)."""
 
 
 def enabled() -> bool:
@@ -117,6 +122,8 @@ class Problem:
             # planner's small charge for a local move (a slice, a zero-fill) that it ranks by
             total = float(math.prod(v.shape) * v.itemsize)
             cost, path = _best(src, dst, len(v.shape), self.hierarchy, total)
+            # a local move (slice, zero-fill) copies at least the smallest piece: not free
+            cost += sum(total / math.prod(self.hierarchy) for m in path if not m.collective)
             if v.anchored and any(m.collective for m in path):
                 cost += ANCHOR_BYTES
             hit = self._cost_cache[key] = cost
@@ -240,15 +247,17 @@ def _b(hier):
 # -------------------------------------------------------------------------------------------
 
 
-def objective(prob: Problem, choice: list[int]) -> float:
-    """The modelled cost of choosing candidate ``choice[u]`` for every node ``u``."""
+def objective(prob: Problem, choice: list[int], hubs: bool = True) -> float:
+    """The modelled cost of choosing candidate ``choice[u]`` for every node ``u`` (``hubs``:
+    conversions may go through a hub layout, as the replayed program makes them; else each is
+    costed from the value as produced, as ``solve_ilp`` and ``descend`` model them)."""
     total = float(sum(n.cost[c] for n, c in zip(prob.nodes, choice)))
     for val in prob.values.values():
-        total += conversions(prob, val, choice)[0]
+        total += conversions(prob, val, choice, hubs)[0]
     return total
 
 
-def conversions(prob: Problem, val: Value, choice) -> tuple[float, tuple | None]:
+def conversions(prob: Problem, val: Value, choice, hubs: bool = True) -> tuple[float, tuple | None]:
     """(cost, hub) of converting ``val`` to every layout its readers take under ``choice``: each
     distinct target once, from the value as produced or, where that is cheaper overall, first to
     one *hub* layout (a target, or B) that the other targets are converted from where that is no
@@ -261,7 +270,7 @@ def conversions(prob: Problem, val: Value, choice) -> tuple[float, tuple | None]
     targets.discard(src)
     direct = {t: prob.edge(val, src, t) for t in targets}
     best, hub = sum(direct.values()), None
-    if len(targets) >= 2:
+    if hubs and len(targets) >= 2:
         for h in targets | {(_BCAST,) * len(src)}:
             c = direct[h] if h in direct else prob.edge(val, src, h)
             c += sum(min(direct[t], prob.edge(val, h, t)) for t in targets if t != h)
@@ -282,7 +291,7 @@ def _layout_of(prob, val, choice):
 # -------------------------------------------------------------------------------------------
 
 
-def solve_ilp(prob: Problem, time_limit: float = ILP_TIME_LIMIT) -> list[int] | None:
+def solve_ilp(prob: Problem, time_limit: float | None = None) -> list[int] | None:
     """The optimal choice per node (``scipy.optimize.milp`` with HiGHS), or None if the solver
     found no solution in time. Formulation (one row per item):
 
@@ -294,6 +303,8 @@ def solve_ilp(prob: Problem, time_limit: float = ILP_TIME_LIMIT) -> list[int] | 
     * minimise compute + ``sum z`` + the conversions to fixed targets that are not shared.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
+
+    time_limit = ILP_TIME_LIMIT if time_limit is None else time_limit
     from scipy.sparse import coo_matrix
 
     nodes = prob.nodes
@@ -414,7 +425,8 @@ def solve_ilp(prob: Problem, time_limit: float = ILP_TIME_LIMIT) -> list[int] | 
     integ = np.concatenate(integ + [np.zeros(n_extra)])
     a = coo_matrix((data, (rows, cols)), shape=(r, nvar)).tocsr()
     res = milp(c, constraints=LinearConstraint(a, lo, hi), integrality=integ, bounds=Bounds(lb, ub),
-               options={"time_limit": time_limit, "disp": False, "mip_rel_gap": 1e-6})
+               options={"time_limit": time_limit, "node_limit": ILP_NODE_LIMIT, "disp": False,
+                        "mip_rel_gap": 1e-6})
     if res.x is None:
         return None
     x = res.x[:nx]
@@ -426,23 +438,22 @@ def solve_ilp(prob: Problem, time_limit: float = ILP_TIME_LIMIT) -> list[int] | 
 # -------------------------------------------------------------------------------------------
 
 
-def descend(prob: Problem, choice: list[int], sweeps: int = 6) -> list[int]:
-    """Improve ``choice`` node by node (iterated conditional modes): each node takes the candidate
-    that minimises the objective with every other node held, alternately forwards and backwards
-    through the program, until a sweep changes nothing. Never increases ``objective``."""
+def descend(prob: Problem, choice: list[int], max_visits: int = 20) -> list[int]:
+    """Improve ``choice`` node by node (iterated conditional modes): a node takes the candidate
+    that minimises the objective with every other node held; when it changes, the nodes whose
+    costs it changed (producers and other readers of what it reads, readers of what it makes) are
+    visited again, until nothing changes (or every node was visited ``max_visits`` times). Never
+    increases ``objective`` (hubs aside: it costs each conversion from the value as produced)."""
     nodes, values = prob.nodes, prob.values
     choice = list(choice)
     # per value: how many readers want each layout (fixed targets count once, forever)
     want: dict = {}
     for k, val in values.items():
-        c: dict = {}
-        for tau in val.shared:
-            c[tau] = c.get(tau, 0) + (1 << 30)
-        want[k] = c
+        want[k] = {tau: 1 << 30 for tau in val.shared}
     for u, n in enumerate(nodes):
-        for tau_k in _reads(n, choice[u]):
-            c = want[tau_k[0]]
-            c[tau_k[1]] = c.get(tau_k[1], 0) + 1
+        for k, tau in _reads(n, choice[u]):
+            want[k][tau] = want[k].get(tau, 0) + 1
+    tabs = [_Tables(n) for n in nodes]
 
     def src_of(k):
         val = values[k]
@@ -451,48 +462,99 @@ def descend(prob: Problem, choice: list[int], sweeps: int = 6) -> list[int]:
         u, j = val.producer
         return nodes[u].cands[choice[u]][1][j]
 
-    order = list(range(len(nodes)))
-    for sweep in range(sweeps):
-        changed = False
-        for u in (order if sweep % 2 == 0 else reversed(order)):
-            n = nodes[u]
-            mine = _reads(n, choice[u])
-            for k, tau in mine:  # take this node's reads out
-                want[k][tau] -= 1
-            in_tab: dict = {}
-            out_tab: dict = {}
-            best, best_c = choice[u], None
-            for s, (ins, outs) in enumerate(n.cands):
-                cost = n.cost[s]
-                for k, tau in _reads_of(n, ins):
-                    hit = in_tab.get((k, tau))
-                    if hit is None:
-                        hit = in_tab[(k, tau)] = (
-                            0.0 if want[k].get(tau, 0) > 0 else prob.edge(values[k], src_of(k), tau))
-                    cost += hit
-                for j, k in enumerate(n.outputs):
-                    if k is None:
-                        continue
-                    sigma = outs[j]
-                    hit = out_tab.get((j, sigma))
-                    if hit is None:
-                        val = values[k]
-                        hit = sum(prob.edge(val, sigma, t) for t, m in want[k].items() if m > 0)
-                        hit += sum(prob.edge(val, sigma, t) for t in val.own)
-                        out_tab[(j, sigma)] = hit
-                    cost += hit
-                if s == choice[u]:
-                    cur_c = cost
-                if best_c is None or cost < best_c:
-                    best, best_c = s, cost
-            if best != choice[u] and best_c < cur_c - 1e-6:
-                choice[u] = best
-                changed = True
-            for k, tau in _reads(n, choice[u]):
-                want[k][tau] = want[k].get(tau, 0) + 1
-        if not changed:
-            break
+    def near(u):
+        """The nodes whose costs depend on ``u``'s choice."""
+        n = nodes[u]
+        out = set()
+        for k in n.operands:
+            if k is not None:
+                val = values[k]
+                out.update(f for f, _ in val.uses)
+                if val.producer is not None:
+                    out.add(val.producer[0])
+        for k in n.outputs:
+            if k is not None:
+                out.update(f for f, _ in values[k].uses)
+        out.discard(u)
+        return out
+
+    queue = list(range(len(nodes)))
+    queued = [True] * len(nodes)
+    visits = [0] * len(nodes)
+    head = 0
+    while head < len(queue):
+        u = queue[head]
+        head += 1
+        queued[u] = False
+        visits[u] += 1
+        if visits[u] > max_visits:
+            continue
+        n, tab = nodes[u], tabs[u]
+        if len(n.cands) < 2:
+            continue
+        for k, tau in _reads(n, choice[u]):  # take this node's reads out
+            want[k][tau] -= 1
+        cost = n.cost.copy()
+        for k, lays, idx in tab.ins:
+            w, val = want[k], values[k]
+            src = src_of(k)
+            vec = np.array([0.0 if w.get(t, 0) > 0 else prob.edge(val, src, t) for t in lays])
+            cost += vec[idx]
+        for k, lays, idx in tab.outs:
+            val = values[k]
+            targets = [t for t, m in want[k].items() if m > 0] + val.own
+            vec = np.array([sum(prob.edge(val, sg, t) for t in targets) for sg in lays])
+            cost += vec[idx]
+        if tab.repeated:  # a value read twice (x * x): cost those candidates exactly
+            for s in tab.repeated:
+                cost[s] -= _double_counted(prob, n, s, want, src_of)
+        best = int(np.argmin(cost))
+        if cost[best] < cost[choice[u]] - 1e-6:
+            choice[u] = best
+            for f in near(u):
+                if not queued[f]:
+                    queued[f] = True
+                    queue.append(f)
+        for k, tau in _reads(n, choice[u]):
+            want[k][tau] = want[k].get(tau, 0) + 1
     return choice
+
+
+class _Tables:
+    """Per operand and result of a node: its distinct layouts over the candidates and, per
+    candidate, the index of its layout (so a node is costed per layout, not per candidate)."""
+
+    def __init__(self, n: Node):
+        self.ins, self.outs = [], []
+        for i, k in enumerate(n.operands):
+            if k is not None:
+                self.ins.append((k, *_index([ins[i] for ins, _ in n.cands])))
+        for j, k in enumerate(n.outputs):
+            if k is not None:
+                self.outs.append((k, *_index([outs[j] for _, outs in n.cands])))
+        keys = [k for k in n.operands if k is not None]
+        self.repeated = []
+        if len(set(keys)) < len(keys):
+            self.repeated = [s for s in range(len(n.cands)) if len(_reads(n, s)) < len(keys)]
+
+
+def _index(items):
+    lays = list(dict.fromkeys(items))
+    at = {x: i for i, x in enumerate(lays)}
+    return lays, np.array([at[x] for x in items], dtype=np.int64)
+
+
+def _double_counted(prob, n, s, want, src_of) -> float:
+    """What the per-operand costing of candidate ``s`` counts twice (one value read twice in
+    one layout is converted once)."""
+    seen, extra = set(), 0.0
+    for k, tau in zip(n.operands, n.cands[s][0]):
+        if k is None:
+            continue
+        if (k, tau) in seen and want[k].get(tau, 0) <= 0:
+            extra += prob.edge(prob.values[k], src_of(k), tau)
+        seen.add((k, tau))
+    return extra
 
 
 def _reads_of(n: Node, ins) -> set:
@@ -682,19 +744,18 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
         prob = build(inf, prog, jaxpr, out_nd)
         start = _choice_of(prob, prog)
         choice = solve(prob, start)
-        if choice == start:
-            break
+        hubs = {k: h for k, val in prob.values.items() if (h := conversions(prob, val, choice)[1]) is not None}
+        if choice == start and not hubs:
+            break  # the search's plan is the best found
         fixed = {id(n.eqn): n.cands[c] for n, c in zip(prob.nodes, choice)}
         nxt = _Inference(placement, None, inf.cands_cache, strict=strict, copies=inf.copies)
-        nxt.fixed = fixed
-        nxt.hubs = {k: h for k, val in prob.values.items()
-                    if (h := conversions(prob, val, choice)[1]) is not None}
+        nxt.fixed, nxt.hubs = fixed, hubs
         new = nxt.program(*args)
         plans.append((program_cost(new), -r, new))
         if len(nxt.followed) == len(fixed):
             break  # every decision was followed: another round would solve the same problem
         inf, prog = nxt, new
-    return min(plans, key=lambda p: p[:2])[2]
+    return min(plans, key=lambda p: (p[0], -p[1]))[2]  # ties: the search's plan
 
 
 def _choice_of(prob: Problem, prog) -> list[int]:
