@@ -174,10 +174,10 @@ def set_planner(name: str) -> None:
 
 def measure(make) -> dict:
     """Per planner: program cost, collectives of the compiled program, planning seconds."""
-    factory, args = make()
     row = {}
     for planner in PLANNERS:
         set_planner(planner)
+        factory, args = make()  # fresh: a train step caches its compiled function
         with _Capture() as cap:
             coll = count_collectives(factory(), *args)
         row[planner] = {

@@ -1226,7 +1226,7 @@ def infer(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = F
     reduce-scatters / all-gathers batched into combined collectives (``_combine``). A primitive
     without a rule runs replicated with a ``NoRuleWarning`` (``strict``: an ``SbpError``)."""
     with _gc_paused():
-        prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict)
+        prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict, _planner.enabled())
         _reduce_before_transposes(prog)
         combine_collectives(prog)
     _warn_replicated(prog, placement)
@@ -1254,7 +1254,7 @@ def _warn_replicated(prog: Program, placement) -> None:
         )
 
 
-def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False) -> Program:
+def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, plan_globally=False) -> Program:
     """Greedy forward inference, then up to ``LOOKAHEAD_ROUNDS`` refinements: a backward walk
     collects the layouts each value's consumers want (seeded by ``out_nd`` and annotations), and a
     new forward pass charges every candidate the boxing of its outputs to those layouts. This sees
@@ -1274,7 +1274,7 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False) -> 
     refined as such. Otherwise its refined cost times ``SEED_SLACK`` is the free seed's budget:
     the free seed stops as soon as its boxings cost that much (a refinement pass rarely gains
     more), and is refined only if it stays within it."""
-    if _planner.enabled():  # the global planner (starts from this search's plan)
+    if plan_globally:  # the global planner (``JSBP_PLANNER=global``) starts from this search's plan
         return _planner.search(placement, jaxpr, consts, in_layouts, out_nd, strict)
     return _search_pass(placement, jaxpr, consts, in_layouts, out_nd, strict)[0]
 
