@@ -56,11 +56,11 @@ Like the anchored seed of ``_compiler._search``, the plan keeps inputs as given 
 signature can read them so (a consumer that cannot pays the same charge whatever it chooses),
 and ``search`` still returns today's plan where that costs less."""
 
-ILP_MAX_VARS = 2_000
+ILP_MAX_VARS = 6_000
 """Programs with at most this many candidate signatures in all are also solved as a mixed-integer
 program (``solve_ilp``); larger ones only by graph reduction and descent."""
 
-ILP_NODE_LIMIT = 500
+ILP_NODE_LIMIT = 200
 """Branch-and-bound nodes HiGHS may explore: a work limit, not a time limit, so that the plan
 never depends on how busy the machine is. The best solution found within it is a proposal like
 any other (``solve`` keeps the cheapest)."""
