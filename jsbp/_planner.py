@@ -40,12 +40,17 @@ from ._boxing import _best
 
 _BCAST = _sbp.broadcast
 
-COMPUTE_BYTES_PER_FLOP = 1.0 / 64
+COMPUTE_BYTES_PER_FLOP = 1.0
 """Byte-equivalents charged per floating-point operation a device computes (``_work``). Moving a
 byte and computing a flop cost about the same on simulated CPU devices and ~1/1000 apart on
 NVLink GPUs; 1/64 sits between. A collective's latency (1 MiB) is then worth 64 M flops: a
 matmul computed whole on every device (a B signature) pays for its repeated work, small
 elementwise work barely counts."""
+
+LOCAL_MOVE_BYTES = 4096.0
+"""The fixed cost of a local move (a slice, a zero-fill) beyond the bytes it copies: an op of its
+own (like ``_boxing._ZERO_FILL_COST``); slicing an operand to save less work than that is not
+worth it."""
 
 ANCHOR_BYTES = float(1 << 40)
 """Charged for a conversion of a program input (parameter, optimizer state, batch) that needs a
@@ -122,8 +127,9 @@ class Problem:
             # planner's small charge for a local move (a slice, a zero-fill) that it ranks by
             total = float(math.prod(v.shape) * v.itemsize)
             cost, path = _best(src, dst, len(v.shape), self.hierarchy, total)
-            # a local move (slice, zero-fill) copies at least the smallest piece: not free
-            cost += sum(total / math.prod(self.hierarchy) for m in path if not m.collective)
+            # a local move (slice, zero-fill) is an op of its own that copies at least the
+            # smallest piece: not free
+            cost += sum(LOCAL_MOVE_BYTES + total / math.prod(self.hierarchy) for m in path if not m.collective)
             if v.anchored and any(m.collective for m in path):
                 cost += ANCHOR_BYTES
             hit = self._cost_cache[key] = cost
