@@ -11,9 +11,8 @@ program (see ``docs/planner.md``) and solves it:
   needs costs ``_moves_cost(plan(σ, τ))`` (bytes per device plus a latency per collective: the
   boxing planner's own model), once per (value, target layout) however many consumers share it,
   as the compiler's conversion cache does (``_Inference.box_value``).
-* **node costs**: redundant compute, ``COMPUTE_BYTES_PER_FLOP`` times the work a device does
-  (``_work``) — small, so that it mostly separates signatures whose communication is equal
-  (a replicated matmul against a split one).
+* **node costs**: compute, ``COMPUTE_BYTES_PER_FLOP`` times the work a device does (``_work``):
+  a signature that repeats a matmul on every device pays for it.
 * **constraints**: program inputs and constants keep their layouts; ``out_sbp`` outputs, ``to_global``
   annotations and JAX sharding requests are fixed targets; scan / while / cond steps keep the
   layouts the reference pass gave them (their bodies are planned by the compiler, given those).
@@ -41,11 +40,11 @@ from ._boxing import _best
 _BCAST = _sbp.broadcast
 
 COMPUTE_BYTES_PER_FLOP = 1.0
-"""Byte-equivalents charged per floating-point operation a device computes (``_work``). Moving a
-byte and computing a flop cost about the same on simulated CPU devices and ~1/1000 apart on
-NVLink GPUs; 1/64 sits between. A collective's latency (1 MiB) is then worth 64 M flops: a
-matmul computed whole on every device (a B signature) pays for its repeated work, small
-elementwise work barely counts."""
+"""Byte-equivalents charged per floating-point operation a device computes (``_work``). A flop
+and a byte moved cost about the same on simulated CPU devices (on NVLink GPUs a flop is ~1000x
+cheaper). Lower rates let the solver trade parallelism for communication: at 1/64 it gathered a
+data-parallel GPT's token slice and computed the whole step on every device to save the
+gradient all-reduces."""
 
 LOCAL_MOVE_BYTES = 4096.0
 """The fixed cost of a local move (a slice, a zero-fill) beyond the bytes it copies: an op of its
