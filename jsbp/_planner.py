@@ -51,6 +51,12 @@ LOCAL_MOVE_BYTES = 4096.0
 own (like ``_boxing._ZERO_FILL_COST``); slicing an operand to save less work than that is not
 worth it."""
 
+STICKY_BYTES = 8192.0
+"""Charged for each equation whose signature differs from the search's plan: the global plan
+departs from today's only for a gain larger than this per changed equation, so that a few bytes
+do not swap one collective for another of the same count (an all-gather of an activation for
+the all-reduce of a small gradient) and plans keep the shape users expect."""
+
 ANCHOR_BYTES = float(1 << 40)
 """Charged for a conversion of a program input (parameter, optimizer state, batch) that needs a
 collective. The layouts a user gives the inputs say how they want the work divided (a split
@@ -748,6 +754,9 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
     for r in range(1, ROUNDS + 1):
         prob = build(inf, prog, jaxpr, out_nd)
         start = _choice_of(prob, prog)
+        for n, c in zip(prob.nodes, start):  # ``STICKY_BYTES`` for leaving the search's choice
+            n.cost = n.cost + STICKY_BYTES
+            n.cost[c] -= STICKY_BYTES
         choice = solve(prob, start)
         hubs = {k: h for k, val in prob.values.items() if (h := conversions(prob, val, choice)[1]) is not None}
         if choice == start and not hubs:
