@@ -80,7 +80,7 @@ def combine_collectives(prog) -> None:
     for st in prog.steps:
         if passes_on(st):
             (v,) = st.eqn.invars
-            if st.boxings and not isinstance(v, jcore.Literal) and v not in deferred:
+            if len(st.boxings) == 1 and not isinstance(v, jcore.Literal) and v not in deferred:
                 (bx,) = st.boxings
                 alone = boxed_to[(v, bx.dst.nd_sbp)] == 1 and not boxed_to[(v, None)]
                 key = _group_key(bx, v) if alone else None

@@ -21,6 +21,7 @@ equations (``_boxing.run_plan``), then each primitive on local, padded shards.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import gc
 import itertools
@@ -34,7 +35,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from . import _sbp
+from . import _planner, _sbp
 from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, plan_cost, run_plan
 from ._combine import Groups, combine_collectives, is_deferred, passes_on
 from ._errors import NoRuleWarning, SbpError
@@ -120,13 +121,16 @@ back for the normalisation). Only the choice of signature sees this; the boxing 
 as a reduce-scatter where it is asked for. At 64 KiB it also caught whole activations of small
 models, whose reduce-scatter the planner then avoided by keeping the partial sum to the end (a
 blocked cumsum all-reduced its 32 KiB result instead of reduce-scattering 192 bytes of block
-totals)."""
+totals). Applied in loop bodies only (``_IN_BODY``): in the top scope, where the lookahead walk
+sees the consumers, it made the un-hinted TP GPT step plan 20 collectives instead of 15."""
+
+_IN_BODY = contextvars.ContextVar("jsbp_in_loop_body", default=False)
 
 
 def _charge(src, dst, shape, hier, size, fixed="src") -> tuple[float, int]:
     """``plan_cost`` as signature choice sees it (``SMALL_PARTIAL_BYTES``)."""
     cn = plan_cost(src, dst, shape, hier, size, fixed)
-    if any(x.is_partial for x in src) and math.prod(shape) * size <= SMALL_PARTIAL_BYTES:
+    if _IN_BODY.get() and any(x.is_partial for x in src) and math.prod(shape) * size <= SMALL_PARTIAL_BYTES:
         whole = tuple(B if x.is_partial else x for x in src)
         if whole != dst:
             via = plan_cost(src, whole, shape, hier, size, fixed)
@@ -178,6 +182,14 @@ class _Inference:
         # anchored greedy pass watches for it (``_search`` sets False), others leave None
         self.diverged: bool | None = None
         self.trace: list = []  # top-scope decisions, in program order, for ``_backward_demand``
+        # the global planner's decisions (``_planner``): id(top-scope equation) -> signature, and
+        # the ids of those this pass could follow (a decision is followed when it is legal for
+        # the layouts the pass sees)
+        self.fixed: dict | None = None
+        self.followed: set = set()
+        # value -> the layout it is first converted to when several of its readers can be served
+        # from that one conversion (``box_operand``; chosen by the global planner)
+        self.hubs: dict = {}
 
     def key(self, v):
         while v in self.alias:
@@ -217,6 +229,27 @@ class _Inference:
                 best, cost = bx, c
         held[dst.nd_sbp] = None
         return best
+
+    def box_operand(self, i, cur: Layout, dst: Layout, v) -> list[Boxing]:
+        """``box_value``, going through the value's hub layout (``hubs``) first where one was
+        chosen and converting from it is no dearer: the conversion to the hub is then made once
+        and the readers that follow slice or convert from it (one all-reduce serving a reader
+        that wants ``(S(0), B)`` and one that wants ``(B, B)``, not a reduce-scatter and an
+        all-reduce)."""
+        hub = None if self.depth != 1 or isinstance(v, jcore.Literal) else self.hubs.get(self.key(v))
+        if hub is not None and hub not in (cur.nd_sbp, dst.nd_sbp):
+            held = self.held(v)
+            if dst.nd_sbp not in held and hub not in held:
+                h_lay = self.lay(hub, v.aval)
+                then = self.box(i, h_lay, dst, v.aval)
+                direct = self.box(i, cur, dst, v.aval)
+                if _moves_cost(then.moves) <= _moves_cost(direct.moves):
+                    pre = self.box_value(i, cur, h_lay, v)
+                    then.via = True  # from the conversion just made
+                    self.boxed.setdefault(self.key(v), {})[dst.nd_sbp] = None
+                    return [pre, then]
+        bx = self.box_value(i, cur, dst, v)
+        return [] if bx is None else [bx]
 
     # ---------------------------------------------------------------------------------------
     def program(self, jaxpr, consts, in_layouts, out_nd=None, *, inline_of=None) -> Program:
@@ -320,6 +353,11 @@ class _Inference:
         collectives, fewer partial outputs, and not splitting an axis no input splits. An operand
         layout for which ``avail(value, nd)`` holds costs nothing (by default: another consumer
         asked for that conversion in the last backward walk, so it is made anyway)."""
+        if self.fixed is not None and self.depth == 1:
+            sig = self.fixed.get(id(eqn))
+            if sig is not None and sig in cands:
+                self.followed.add(id(eqn))
+                return sig
         if avail is None:
             def avail(v, nd):
                 return _asked_by_another(self.demand, v, nd, eqn)
@@ -459,14 +497,12 @@ class _Inference:
         in_lays = [self.lay(nd, v.aval) for nd, v in zip(ins, eqn.invars)]
         boxings = []
         for i, (c, w, v) in enumerate(zip(cur, in_lays, eqn.invars)):
-            bx = self.box_value(i, c, w, v)
-            if bx is None:
-                continue
-            if self.budget != _NO_BUDGET and self.depth == 1 and not bx.reused:
-                self.spent += _moves_cost(bx.moves)
-                if self.spent >= self.budget:
-                    raise _OverBudget
-            boxings.append(bx)
+            for bx in self.box_operand(i, c, w, v):
+                if self.budget != _NO_BUDGET and self.depth == 1 and not bx.reused:
+                    self.spent += _moves_cost(bx.moves)
+                    if self.spent >= self.budget:
+                        raise _OverBudget
+                boxings.append(bx)
         out_lays = [self.lay(nd, v.aval) for nd, v in zip(outs, eqn.outvars)]
         return Step(eqn, in_lays, out_lays, boxings, rule=rule)
 
@@ -838,7 +874,11 @@ def _body_program(inf: _Inference, jaxpr, consts, in_layouts, out_nd=None) -> Pr
     partial batch statistics were reduce-scattered (cheaper for that equation alone) and
     all-gathered back by the normalisation, two collectives per statistic where one all-reduce
     does (the scan-over-layers MLP under dp=8: 25 collectives per step, GSPMD 13)."""
-    return _search(inf.placement, jaxpr, consts, in_layouts, out_nd, inf.strict)
+    token = _IN_BODY.set(True)
+    try:
+        return _search(inf.placement, jaxpr, consts, in_layouts, out_nd, inf.strict)
+    finally:
+        _IN_BODY.reset(token)
 
 
 def _infer_scan(inf: _Inference, eqn, cur):
@@ -908,8 +948,8 @@ def _infer_annotate(inf: _Inference, eqn, cur):
     if nd is None:
         return Step(eqn, list(cur), list(cur), [], kind="annotate")
     want = inf.lay(nd, eqn.invars[0].aval)
-    bx = inf.box_value(0, cur[0], want, eqn.invars[0])  # later consumers may reuse or slice it
-    return Step(eqn, [want], [want], [bx] if bx is not None else [], kind="annotate")
+    bxs = inf.box_operand(0, cur[0], want, eqn.invars[0])  # later consumers may reuse or slice it
+    return Step(eqn, [want], [want], bxs, kind="annotate")
 
 
 def _infer_linear_solve(inf: _Inference, eqn, cur):
@@ -942,8 +982,7 @@ def _infer_sharding_request(inf: _Inference, eqn, cur):
     if nd is None:
         return Step(eqn, list(cur), list(cur), [], kind="annotate")
     want = inf.lay(nd, eqn.invars[0].aval)
-    bx = inf.box_value(0, cur[0], want, eqn.invars[0])
-    return Step(eqn, [want], [want], [bx] if bx is not None else [], kind="annotate")
+    return Step(eqn, [want], [want], inf.box_operand(0, cur[0], want, eqn.invars[0]), kind="annotate")
 
 
 _HIGHER_ORDER = {
@@ -1152,8 +1191,9 @@ def _reduce_before_transposes(prog: Program) -> None:
             continue
         c, i = y_uses[0]
         consumer = prog.steps[c]
-        bx = next((b for b in consumer.boxings if b.operand == i), None)
-        if bx is None or bx.reused or any(bx.dst.nd_sbp[a].is_partial for a in lout.partial_axes):
+        mine = [b for b in consumer.boxings if b.operand == i]
+        bx = mine[0] if len(mine) == 1 else None  # (not a conversion through a hub layout)
+        if bx is None or bx.reused or bx.via or any(bx.dst.nd_sbp[a].is_partial for a in lout.partial_axes):
             continue
         perm = st.eqn.params["permutation"]
         nd = tuple(_sbp.split(perm[x_.dim]) if x_.is_split else x_ for x_ in bx.dst.nd_sbp)
@@ -1229,7 +1269,7 @@ def infer(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = F
     reduce-scatters / all-gathers batched into combined collectives (``_combine``). A primitive
     without a rule runs replicated with a ``NoRuleWarning`` (``strict``: an ``SbpError``)."""
     with _gc_paused():
-        prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict)
+        prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict, _planner.enabled())
         _reduce_before_transposes(prog)
         combine_collectives(prog)
     _warn_replicated(prog, placement)
@@ -1257,7 +1297,7 @@ def _warn_replicated(prog: Program, placement) -> None:
         )
 
 
-def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False) -> Program:
+def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, plan_globally=False) -> Program:
     """Greedy forward inference, then up to ``LOOKAHEAD_ROUNDS`` refinements: a backward walk
     collects the layouts each value's consumers want (seeded by ``out_nd`` and annotations), and a
     new forward pass charges every candidate the boxing of its outputs to those layouts. This sees
@@ -1277,6 +1317,13 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False) -> 
     refined as such. Otherwise its refined cost times ``SEED_SLACK`` is the free seed's budget:
     the free seed stops as soon as its boxings cost that much (a refinement pass rarely gains
     more), and is refined only if it stays within it."""
+    if plan_globally:  # the global planner (``JSBP_PLANNER=global``) starts from this search's plan
+        return _planner.search(placement, jaxpr, consts, in_layouts, out_nd, strict)
+    return _search_pass(placement, jaxpr, consts, in_layouts, out_nd, strict)[0]
+
+
+def _search_pass(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
+    """``_search``'s program and the inference pass that built it (``_planner`` starts there)."""
     args = (jaxpr, consts, in_layouts, out_nd)
     inputs = frozenset(jaxpr.invars)
     anch = _Inference(placement, None, {}, inputs, strict=strict)
@@ -1285,38 +1332,39 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False) -> 
     if not anch.diverged:
         # no equation would convert an input without the anchors: this is the free seed
         anch.anchored = frozenset()
-        return _refine(anch, anch_prog, args)[0]
-    best, best_cost = _refine(anch, anch_prog, args)
+        return _refine(anch, anch_prog, args)[::2]
+    best, best_cost, best_inf = _refine(anch, anch_prog, args)
     free = _Inference(placement, None, anch.cands_cache, budget=best_cost * SEED_SLACK, strict=strict,
                       copies=anch.copies)
     try:
         free_prog = free.program(*args)
     except _OverBudget:
-        return best
+        return best, best_inf
     if program_cost(free_prog) < best_cost * SEED_SLACK:
-        prog, cost = _refine(free, free_prog, args)
+        prog, cost, inf = _refine(free, free_prog, args)
         if cost < best_cost:
-            best = prog
-    return best
+            best, best_inf = prog, inf
+    return best, best_inf
 
 
-def _refine(inf, prog, args) -> tuple[Program, float]:
+def _refine(inf, prog, args) -> tuple[Program, float, _Inference]:
     """Up to ``LOOKAHEAD_ROUNDS`` lookahead passes after ``inf``'s pass (which made ``prog``);
-    the cheapest program and its cost. ``args``: ``infer``'s (jaxpr, consts, in_layouts, out_nd)."""
+    the cheapest program, its cost and the pass that made it. ``args``: ``infer``'s (jaxpr,
+    consts, in_layouts, out_nd)."""
     jaxpr, _, _, out_nd = args
     cost = _rank(prog)
     for _ in range(LOOKAHEAD_ROUNDS):
         if cost == (0.0, 0):
             break
         demand = inf.backward_demand(jaxpr.outvars, out_nd)
-        inf = _Inference(inf.placement, demand, inf.cands_cache, inf.anchored, strict=inf.strict,
+        nxt = _Inference(inf.placement, demand, inf.cands_cache, inf.anchored, strict=inf.strict,
                          copies=inf.copies)
-        new = inf.program(*args)
+        new = nxt.program(*args)
         new_cost = _rank(new)
         if new_cost >= cost:
             break
-        prog, cost = new, new_cost
-    return prog, cost[0]
+        prog, cost, inf = new, new_cost, nxt
+    return prog, cost[0], inf
 
 
 def _rank(prog: Program) -> tuple[float, int]:

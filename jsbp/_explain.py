@@ -136,7 +136,7 @@ def plan_of_program(prog, placement) -> Plan:
     rows = []
     for depth, st in iter_steps(prog):
         arriving = list(st.in_layouts)
-        for bx in st.boxings:
+        for bx in reversed(st.boxings):  # an operand's first boxing starts from what arrives
             arriving[bx.operand] = bx.src
         ins = tuple(_sbp.nd_str(l.nd_sbp) for l in arriving)
         sig = ", ".join(_sbp.nd_str(l.nd_sbp) for l in st.in_layouts) + " -> " + ", ".join(

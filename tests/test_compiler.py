@@ -726,9 +726,9 @@ def _two_seed_search(placement, jaxpr, consts, in_layouts, out_nd):
     if not converted:
         return C._refine(free, free_prog, args)[0]
     anch = C._Inference(placement, None, free.cands_cache, inputs)
-    best, best_cost = C._refine(anch, anch.program(*args), args)
+    best, best_cost, _ = C._refine(anch, anch.program(*args), args)
     if C.program_cost(free_prog) < best_cost * C.SEED_SLACK:
-        prog, cost = C._refine(free, free_prog, args)
+        prog, cost, _ = C._refine(free, free_prog, args)
         if cost < best_cost:
             best = prog
     return best

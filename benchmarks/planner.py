@@ -1,0 +1,293 @@
+"""Planner benchmark: today's signature search against the global planner (``JSBP_PLANNER=global``).
+
+Run from the repository root::
+
+    python benchmarks/planner.py                        # every program below, then the timing rows
+    python benchmarks/planner.py --only gpt,tests       # a subset of: gpt, training, zoo, tests
+    python benchmarks/planner.py --timing-only          # only the planning-time rows
+    python benchmarks/planner.py --record tests/data/plan_costs.json   # today's costs, for the test
+
+It sets up 8 simulated CPU devices itself. For every program it builds a fresh ``jsbp.jit``
+function under each planner, counts the collectives of the compiled program
+(``jsbp.debug.count_collectives``) and adds up ``_compiler.program_cost`` (bytes per device plus
+a 1 MiB latency per collective, the boxing planner's model) and the planning time of every
+``infer`` call the lowering made. Programs:
+
+* **gpt**: ``benchmarks/compiler.py``'s GPT train step (1 block) under DP, TP and DPxTP, with and
+  without the hand-written layout hints;
+* **training**: ``examples/train_gpt.py``'s model under ``benchmarks/training.py``'s strategies;
+* **zoo**: ``tests/models`` (cnn, vit, lstm, scan_mlp, decoder_lm, moe) under the zoo's layouts
+  (``tests/test_model_zoo.py::make_strategy``);
+* **tests**: ``tests/test_compiler.py``'s search cases (matmuls, transformer steps).
+
+The timing rows plan a GPT train step with 1, 4, 16 and 24 blocks on a (2, 4) placement, cold
+(jsbp's memo caches emptied first): ``infer`` alone, tracing excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+for _p in (ROOT, ROOT / "benchmarks", ROOT / "tests", ROOT / "examples"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import jsbp  # noqa: E402
+from jsbp import _compiler, _jit  # noqa: E402
+from jsbp.debug import count_collectives  # noqa: E402
+
+PLANNERS = ("search", "global")
+
+
+# -------------------------------------------------------------------------------------------
+# programs: name -> () -> (factory of a fresh jitted function, its arguments)
+# -------------------------------------------------------------------------------------------
+
+
+def gpt_programs(layers=1):
+    import compiler as bc
+
+    out = {}
+    for strat in bc.strategies():
+        short = strat.name.split()[0]
+        for hinted in (False, True):
+            def make(strat=strat, hinted=hinted):
+                case = bc.Case(strat, (256, 64, 8, layers, 16, 32))
+                return (lambda: case.jsbp_fn(hinted)), case.jsbp_args()
+
+            out[f"gpt {short}{' +hints' if hinted else ''}"] = make
+    return out
+
+
+def training_programs():
+    import training as bt
+
+    out = {}
+    for name, (parallel, zero, accum) in bt.STRATEGIES.items():
+        def make(parallel=parallel, zero=zero, accum=accum):
+            import train_gpt as tg
+            from flax import nnx
+
+            import jsbp.flax as jflax
+
+            corpus = tg.Corpus()
+            cfg = tg.GPTConfig(vocab=corpus.vocab)
+            strategy = tg.make_strategy(tg.parse_parallel(parallel), zero)
+            model, opt = jflax.shard(tg.init(cfg, 0), strategy)
+            step = jflax.make_train_step(tg.loss_fn, strategy, accum=accum)
+            graphdef, state = nnx.split((model, opt))
+            batch = step.put_batch(next(corpus.batches(0, 32, cfg.seq)))
+            return (lambda: step.pure(graphdef, state, batch)), (state, batch)
+
+        out[f"training {name}"] = make
+    return out
+
+
+def zoo_programs():
+    from models import MODELS, load
+    from test_model_zoo import make_strategy
+
+    out = {}
+    for m in MODELS:
+        for lay in ("dp8", "tp8", "dp2tp4", "zero3"):
+            def make(m=m, lay=lay):
+                import optax
+                from flax import nnx
+
+                import jsbp.flax as jflax
+
+                mod = load(m)
+                strategy = make_strategy(lay, mod.RULES)
+                model = mod.make(nnx.Rngs(0))
+                opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+                model, opt = jflax.shard((model, opt), strategy)
+                step = jflax.make_train_step(mod.loss_fn, strategy)
+                graphdef, state = nnx.split((model, opt))
+                batch = step.put_batch(mod.batch(0))
+                return (lambda: step.pure(graphdef, state, batch)), (state, batch)
+
+            out[f"zoo {m} {lay}"] = make
+    return out
+
+
+def test_programs():
+    import test_compiler as tc
+
+    out = {}
+    for name, case in tc._SEARCH_CASES.items():
+        def make(case=case):
+            fn, *_, args = case()
+            return (lambda: jsbp.jit(fn)), args
+
+        out[f"tests {name}"] = make
+    return out
+
+
+GROUPS = {"gpt": gpt_programs, "training": training_programs, "zoo": zoo_programs, "tests": test_programs}
+
+
+# -------------------------------------------------------------------------------------------
+# measuring
+# -------------------------------------------------------------------------------------------
+
+
+class _Capture:
+    """Records every ``infer`` call ``jsbp.jit`` makes: the program and the seconds it took."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __enter__(self):
+        self.orig = _jit.infer
+
+        def infer(*a, **k):
+            t = time.perf_counter()
+            prog = self.orig(*a, **k)
+            self.calls.append((a, k, prog, time.perf_counter() - t))
+            return prog
+
+        _jit.infer = infer
+        return self
+
+    def __exit__(self, *exc):
+        _jit.infer = self.orig
+
+
+def set_planner(name: str) -> None:
+    if name == "global":
+        os.environ["JSBP_PLANNER"] = "global"
+    else:
+        os.environ.pop("JSBP_PLANNER", None)
+
+
+def measure(make) -> dict:
+    """Per planner: program cost, collectives of the compiled program, planning seconds."""
+    row = {}
+    for planner in PLANNERS:
+        set_planner(planner)
+        factory, args = make()  # fresh: a train step caches its compiled function
+        with _Capture() as cap:
+            coll = count_collectives(factory(), *args)
+        row[planner] = {
+            "cost": sum(_compiler.program_cost(c[2]) for c in cap.calls),
+            "collectives": sum(coll.values()),
+            "by_kind": {k: v for k, v in coll.items() if v},
+            "plan_s": sum(c[3] for c in cap.calls),
+        }
+    set_planner("search")
+    return row
+
+
+def planning_times(layers_list=(1, 4, 16, 24), reps=1) -> list[dict]:
+    """Cold ``infer`` time of the un-hinted DPxTP GPT step with this many blocks, per planner."""
+    import compiler as bc
+
+    strat = [s for s in bc.strategies() if s.name.startswith("DPxTP")][0]
+    rows = []
+    for layers in layers_list:
+        case = bc.Case(strat, (256, 64, 8, layers, 16, 32))
+        set_planner("search")
+        with _Capture() as cap:
+            case.jsbp_fn().lower_program(*case.jsbp_args())
+        a, k, _, _ = cap.calls[0]
+        row = {"layers": layers, "eqns": len(_compiler._dce(a[1]).eqns)}
+        for planner in PLANNERS:
+            set_planner(planner)
+            best = None
+            for _ in range(reps):
+                bc.clear_jsbp_caches()
+                t = time.perf_counter()
+                prog = _compiler.infer(*a, **k)
+                dt = time.perf_counter() - t
+                best = dt if best is None else min(best, dt)
+            row[planner] = {"plan_s": best, "cost": _compiler.program_cost(prog)}
+        set_planner("search")
+        rows.append(row)
+        print(f"  {layers} layers: {row}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _fmt_kinds(d: dict) -> str:
+    short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
+             "collective-permute": "CP"}
+    return ", ".join(f"{v} {short.get(k, k)}" for k, v in d.items()) or "none"
+
+
+def cost_table(results: dict) -> str:
+    lines = [
+        "| program | search cost (MB-eq) | global cost (MB-eq) | global / search | search collectives | "
+        "global collectives | search plan (s) | global plan (s) |",
+        "|" + "---|" * 8,
+    ]
+    for name, r in results.items():
+        s, g = r["search"], r["global"]
+        ratio = g["cost"] / s["cost"] if s["cost"] else 1.0
+        lines.append(
+            f"| {name} | {s['cost'] / 1e6:.2f} | {g['cost'] / 1e6:.2f} | {ratio:.3f} | "
+            f"{s['collectives']} ({_fmt_kinds(s['by_kind'])}) | {g['collectives']} ({_fmt_kinds(g['by_kind'])}) | "
+            f"{s['plan_s']:.2f} | {g['plan_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def time_table(rows) -> str:
+    lines = ["| blocks | equations | search plan (s) | global plan (s) | search cost (MB-eq) | global cost (MB-eq) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['layers']} | {r['eqns']} | {r['search']['plan_s']:.2f} | {r['global']['plan_s']:.2f} | "
+            f"{r['search']['cost'] / 1e6:.2f} | {r['global']['cost'] / 1e6:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated subset of " + ",".join(GROUPS))
+    ap.add_argument("--timing-only", action="store_true")
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--layers", default="1,4,16,24", help="blocks of the timing rows")
+    ap.add_argument("--record", default="", help="merge the search planner's costs of the programs into this JSON file")
+    ap.add_argument("--json", default="", help="write all results here (JSON)")
+    args = ap.parse_args(argv)
+    print(f"# jsbp planner benchmark: {jax.device_count()} simulated CPU devices, {os.cpu_count()} CPU cores, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    results, rows = {}, []
+    if not args.timing_only:
+        for group in [g for g in (args.only.split(",") if args.only else GROUPS) if g]:
+            for name, make in GROUPS[group]().items():
+                results[name] = measure(make)
+                r = results[name]
+                print(f"  {name}: search {r['search']['cost'] / 1e6:.2f} / {r['search']['collectives']} | "
+                      f"global {r['global']['cost'] / 1e6:.2f} / {r['global']['collectives']}",
+                      file=sys.stderr, flush=True)
+        print(cost_table(results))
+    if not args.no_timing:
+        rows = planning_times(tuple(int(x) for x in args.layers.split(",")))
+        print()
+        print(time_table(rows))
+    if args.record:  # merged into what the file already holds
+        path = pathlib.Path(args.record)
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table.update({name: {"cost": r["search"]["cost"], "collectives": r["search"]["collectives"]}
+                      for name, r in results.items()})
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"costs": results, "timing": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,805 @@
+"""The global planner: every top-scope signature of a program chosen at once.
+
+``_compiler._search`` chooses signatures one equation at a time and then corrects itself with
+lookahead passes. This module states the choice as one optimisation over the whole inlined
+program (see ``docs/planner.md``) and solves it:
+
+* **variables**: one binary ``x[u, s]`` per equation ``u`` and candidate signature ``s`` (the
+  rule's legal nd signatures, ``_Inference.candidates``); exactly one per equation. A value's
+  layout is its producer's chosen output nd-sbp.
+* **edge costs**: boxing a value from its producer's layout ``σ`` to a layout ``τ`` some consumer
+  needs costs ``_moves_cost(plan(σ, τ))`` (bytes per device plus a latency per collective: the
+  boxing planner's own model), once per (value, target layout) however many consumers share it,
+  as the compiler's conversion cache does (``_Inference.box_value``).
+* **node costs**: compute, ``COMPUTE_BYTES_PER_FLOP`` times the work a device does (``_work``):
+  a signature that repeats a matmul on every device pays for it.
+* **constraints**: program inputs and constants keep their layouts; ``out_sbp`` outputs, ``to_global``
+  annotations and JAX sharding requests are fixed targets; scan / while / cond steps keep the
+  layouts the reference pass gave them (their bodies are planned by the compiler, given those).
+
+Exact (``scipy.optimize.milp``, HiGHS) when the problem is small; larger ones are first shrunk by
+OneFlow-style reductions (``_reduce``): equations whose choice cannot matter are fixed, and
+repeated identical layers are solved once (``_solve_repeated``). The decisions are handed back to
+the compiler's forward pass (``_Inference.fixed``), which builds an ordinary ``Program`` from them
+— every candidate it follows is legal for the layouts it sees, so a plan can be costly but never
+wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+from jax.extend import core as jcore
+
+from . import _sbp
+from ._boxing import _best
+
+_BCAST = _sbp.broadcast
+
+COMPUTE_BYTES_PER_FLOP = 1.0
+"""Byte-equivalents charged per floating-point operation a device computes (``_work``). A flop
+and a byte moved cost about the same on simulated CPU devices (on NVLink GPUs a flop is ~1000x
+cheaper). Lower rates let the solver trade parallelism for communication: at 1/64 it gathered a
+data-parallel GPT's token slice and computed the whole step on every device to save the
+gradient all-reduces."""
+
+LOCAL_MOVE_BYTES = 4096.0
+"""The fixed cost of a local move (a slice, a zero-fill) beyond the bytes it copies: an op of its
+own (like ``_boxing._ZERO_FILL_COST``); slicing an operand to save less work than that is not
+worth it."""
+
+STICKY_BYTES = 8192.0
+"""Charged for each equation whose signature differs from the search's plan: the global plan
+departs from today's only for a gain larger than this per changed equation, so that a few bytes
+do not swap one collective for another of the same count (an all-gather of an activation for
+the all-reduce of a small gradient) and plans keep the shape users expect."""
+
+ANCHOR_BYTES = float(1 << 40)
+"""Charged for a conversion of a program input (parameter, optimizer state, batch) that needs a
+collective. The layouts a user gives the inputs say how they want the work divided (a split
+batch: data parallel; split weights: Megatron); by communication alone, gathering a small batch
+and computing the whole step on every device is often "cheaper" than reducing the gradients.
+Like the anchored seed of ``_compiler._search``, the plan keeps inputs as given wherever some
+signature can read them so (a consumer that cannot pays the same charge whatever it chooses),
+and ``search`` still returns today's plan where that costs less."""
+
+ILP_MAX_VARS = 6_000
+"""Programs with at most this many candidate signatures in all are also solved as a mixed-integer
+program (``solve_ilp``); larger ones only by graph reduction and descent."""
+
+ILP_NODE_LIMIT = 200
+"""Branch-and-bound nodes HiGHS may explore: a work limit, not a time limit, so that the plan
+never depends on how busy the machine is. The best solution found within it is a proposal like
+any other (``solve`` keeps the cheapest)."""
+
+ILP_TIME_LIMIT = 30.0
+"""A safety net only (seconds)."""
+
+
+def enabled() -> bool:
+    """Whether ``jsbp.jit`` plans globally (``JSBP_PLANNER=global``)."""
+    return os.environ.get("JSBP_PLANNER", "").strip().lower() == "global"
+
+
+# -------------------------------------------------------------------------------------------
+# the problem
+# -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Node:
+    """One equation with a choice: its candidate signatures and what each costs by itself."""
+
+    eqn: object
+    cands: list  # [(in nd-sbps, out nd-sbps)]
+    operands: list  # per operand: value key or None (a literal)
+    outputs: list  # per output: value key or None (dropped)
+    cost: np.ndarray  # per candidate: redundant compute (byte-equivalents)
+
+
+@dataclasses.dataclass
+class Value:
+    shape: tuple
+    itemsize: int
+    producer: tuple | None = None  # (node index, output index); None: fixed layout ``nd``
+    nd: tuple | None = None
+    anchored: bool = False  # a program input (``ANCHOR_BYTES``)
+    uses: list = dataclasses.field(default_factory=list)  # (node index, operand index)
+    shared: set = dataclasses.field(default_factory=set)  # fixed targets sharing the conversion cache
+    own: list = dataclasses.field(default_factory=list)  # fixed targets each converting alone
+
+
+@dataclasses.dataclass
+class Problem:
+    hierarchy: tuple
+    nodes: list
+    values: dict
+    _cost_cache: dict = dataclasses.field(default_factory=dict)
+
+    def edge(self, v: Value, src, dst) -> float:
+        """The cost of boxing ``v`` from ``src`` to ``dst``: ``_boxing.plan_cost``, i.e. bytes
+        per device plus a latency per collective (``_compiler._moves_cost``) plus the boxing
+        planner's small charge per local move."""
+        if src == dst:
+            return 0.0
+        key = (src, dst, v.shape, v.itemsize, v.anchored)
+        hit = self._cost_cache.get(key)
+        if hit is None:
+            # ``_compiler._moves_cost(plan(...))`` without building the moves, plus the
+            # planner's small charge for a local move (a slice, a zero-fill) that it ranks by
+            total = float(math.prod(v.shape) * v.itemsize)
+            cost, path = _best(src, dst, len(v.shape), self.hierarchy, total)
+            # a local move (slice, zero-fill) is an op of its own that copies at least the
+            # smallest piece: not free
+            cost += sum(LOCAL_MOVE_BYTES + total / math.prod(self.hierarchy) for m in path if not m.collective)
+            if v.anchored and any(m.collective for m in path):
+                cost += ANCHOR_BYTES
+            hit = self._cost_cache[key] = cost
+        return hit
+
+
+def _flops(eqn) -> float:
+    """Logical work of ``eqn``: multiply-adds of a contraction, else one per output element."""
+    out = sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        shape = eqn.invars[0].aval.shape
+        return 2.0 * out * math.prod(shape[d] for d in lc)
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        dn = eqn.params["dimension_numbers"]
+        out_feat = rhs[dn.rhs_spec[0]] if dn is not None else rhs[0]
+        return 2.0 * out * math.prod(rhs) / max(out_feat, 1)
+    return float(out)
+
+
+def _work(eqn, cands, hierarchy) -> np.ndarray:
+    """Per candidate: the byte-equivalent cost of the work one device does. An axis divides the
+    work when some operand or result is split on it; on an axis where everything is B or P every
+    device repeats the whole computation."""
+    flops = _flops(eqn) * COMPUTE_BYTES_PER_FLOP
+    out = np.empty(len(cands))
+    for n, (ins, outs) in enumerate(cands):
+        ways = 1
+        for a, size in enumerate(hierarchy):
+            if any(nd[a].is_split for nd in (*ins, *outs)):
+                ways *= size
+        out[n] = flops / ways
+    return out
+
+
+def build(inf, prog, jaxpr, out_nd) -> Problem:
+    """The problem of ``prog``, a program ``inf`` (a reference forward pass) built: its top-scope
+    equations (inlined calls included) with the candidates ``inf`` recorded for them."""
+    traced = {id(e[1]): e for e in inf.trace if e[0] == "prim"}
+    hier = inf.placement.hierarchy
+    nodes: list[Node] = []
+    values: dict = {}
+
+    def value(v, nd=None):
+        k = inf.key(v)
+        val = values.get(k)
+        if val is None:
+            aval = k.aval if not isinstance(k, jcore.Literal) else v.aval
+            from ._compiler import _itemsize
+
+            val = values[k] = Value(tuple(aval.shape), _itemsize(aval), nd=nd)
+        return k, val
+
+    def fixed_value(v, nd):
+        if isinstance(v, (jcore.Literal, jcore.DropVar)):
+            return
+        _, val = value(v)
+        if val.producer is None and val.nd is None:
+            val.nd = nd
+
+    def walk(p):
+        for v in p.jaxpr.constvars:
+            fixed_value(v, _b(hier))
+        for v, lay in zip(p.jaxpr.invars, p.in_layouts):
+            fixed_value(v, lay.nd_sbp)
+        for st in p.steps:
+            if st.kind == "call":
+                walk(st.sub)
+            elif st.kind == "prim" and id(st.eqn) in traced:
+                _, eqn, cur, cands = traced[id(st.eqn)]
+                u = len(nodes)
+                operands = []
+                for i, v in enumerate(eqn.invars):
+                    if isinstance(v, jcore.Literal):
+                        operands.append(None)
+                        continue
+                    k, val = value(v)
+                    fixed_value(v, cur[i].nd_sbp)
+                    val.uses.append((u, i))
+                    operands.append(k)
+                outputs = []
+                for j, v in enumerate(eqn.outvars):
+                    if isinstance(v, jcore.DropVar):
+                        outputs.append(None)
+                        continue
+                    k, val = value(v)
+                    val.producer, val.nd = (u, j), None
+                    outputs.append(k)
+                nodes.append(Node(eqn, list(cands), operands, outputs, _work(eqn, cands, hier)))
+            else:
+                shared = st.kind in ("annotate", "prim")  # boxed via the conversion cache
+                for v, lay in zip(st.eqn.invars, st.in_layouts):
+                    if isinstance(v, jcore.Literal):
+                        continue
+                    _, val = value(v)
+                    (val.shared.add if shared else val.own.append)(lay.nd_sbp)
+                for v, lay in zip(st.eqn.outvars, st.out_layouts):
+                    fixed_value(v, lay.nd_sbp)
+            # results with no producer of their own (an inlined call returning a literal)
+            for v, lay in zip(st.eqn.outvars, st.out_layouts):
+                fixed_value(v, lay.nd_sbp)
+
+    walk(prog)
+    for v in jaxpr.invars:
+        values[inf.key(v)].anchored = True
+    for v, want in zip(jaxpr.outvars, out_nd or ()):
+        if want is not None and not isinstance(v, jcore.Literal):
+            _, val = value(v)
+            val.own.append(tuple(want))
+    return Problem(hier, nodes, values)
+
+
+def _b(hier):
+    return (_BCAST,) * len(hier)
+
+
+# -------------------------------------------------------------------------------------------
+# the objective of one assignment (for checks and local search)
+# -------------------------------------------------------------------------------------------
+
+
+def objective(prob: Problem, choice: list[int], hubs: bool = True) -> float:
+    """The modelled cost of choosing candidate ``choice[u]`` for every node ``u`` (``hubs``:
+    conversions may go through a hub layout, as the replayed program makes them; else each is
+    costed from the value as produced, as ``solve_ilp`` and ``descend`` model them)."""
+    total = float(sum(n.cost[c] for n, c in zip(prob.nodes, choice)))
+    for val in prob.values.values():
+        total += conversions(prob, val, choice, hubs)[0]
+    return total
+
+
+def conversions(prob: Problem, val: Value, choice, hubs: bool = True) -> tuple[float, tuple | None]:
+    """(cost, hub) of converting ``val`` to every layout its readers take under ``choice``: each
+    distinct target once, from the value as produced or, where that is cheaper overall, first to
+    one *hub* layout (a target, or B) that the other targets are converted from where that is no
+    dearer (``_Inference.box_operand`` emits it so)."""
+    src = _layout_of(prob, val, choice)
+    own = sum(prob.edge(val, src, t) for t in val.own)
+    targets = set(val.shared)
+    for u, i in val.uses:
+        targets.add(prob.nodes[u].cands[choice[u]][0][i])
+    targets.discard(src)
+    direct = {t: prob.edge(val, src, t) for t in targets}
+    best, hub = sum(direct.values()), None
+    if hubs and len(targets) >= 2:
+        for h in targets | {(_BCAST,) * len(src)}:
+            c = direct[h] if h in direct else prob.edge(val, src, h)
+            c += sum(min(direct[t], prob.edge(val, h, t)) for t in targets if t != h)
+            if c < best - 1e-6:
+                best, hub = c, h
+    return best + own, hub
+
+
+def _layout_of(prob, val, choice):
+    if val.producer is None:
+        return val.nd
+    u, j = val.producer
+    return prob.nodes[u].cands[choice[u]][1][j]
+
+
+# -------------------------------------------------------------------------------------------
+# exact solution: a mixed-integer program
+# -------------------------------------------------------------------------------------------
+
+
+def solve_ilp(prob: Problem, time_limit: float | None = None) -> list[int] | None:
+    """The optimal choice per node (``scipy.optimize.milp`` with HiGHS), or None if the solver
+    found no solution in time. Formulation (one row per item):
+
+    * ``x[u, s]`` binary, ``sum_s x[u, s] = 1``;
+    * ``t[v, τ]`` in [0, 1]: value ``v`` is converted to ``τ``; ``t[v, τ] >= sum of x[f, s]`` over
+      the candidates ``s`` of consumer ``f`` that read ``v`` as ``τ`` (1 for a fixed target);
+    * ``z[v, τ] >= 0``, the cost of that conversion: ``z >= sum_σ c(σ, τ) l[v, σ] - C_τ (1 - t)``
+      where ``l[v, σ]`` (the producer's candidates giving ``σ``) sums to 1 and ``C_τ = max_σ c``;
+    * minimise compute + ``sum z`` + the conversions to fixed targets that are not shared.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    time_limit = ILP_TIME_LIMIT if time_limit is None else time_limit
+    from scipy.sparse import coo_matrix
+
+    nodes = prob.nodes
+    base = np.zeros(len(nodes) + 1, dtype=np.int64)
+    for u, n in enumerate(nodes):
+        base[u + 1] = base[u] + len(n.cands)
+    nx = int(base[-1])
+    cost = [np.concatenate([n.cost for n in nodes])] if nodes else [np.zeros(0)]
+    lb, ub, integ = [np.zeros(nx)], [np.ones(nx)], [np.ones(nx)]
+    rows, cols, data, lo, hi = [], [], [], [], []
+    r = 0
+    for u, n in enumerate(nodes):  # one candidate per node
+        for s in range(len(n.cands)):
+            rows.append(r)
+            cols.append(base[u] + s)
+            data.append(1.0)
+        lo.append(1.0)
+        hi.append(1.0)
+        r += 1
+    nvar = nx
+    extra_cost, extra_lb, extra_ub = [], [], []
+    for val in prob.values.values():
+        # the layouts the value may be in: σ -> the producer's candidate columns giving it
+        if val.producer is None:
+            srcs = {val.nd: None}
+        else:
+            u, j = val.producer
+            srcs = {}
+            for s, (_, outs) in enumerate(nodes[u].cands):
+                srcs.setdefault(outs[j], []).append(base[u] + s)
+            for t in val.own:  # conversions of its own: linear in the producer's choice
+                for sigma, colset in srcs.items():
+                    c = prob.edge(val, sigma, t)
+                    if c:
+                        for col in colset:
+                            cost[0][col] += c
+        # targets asked by consumers: τ -> per use, the columns reading the value as τ
+        asks: dict = {}
+        for f, i in val.uses:
+            per: dict = {}
+            for s, (ins, _) in enumerate(nodes[f].cands):
+                per.setdefault(ins[i], []).append(base[f] + s)
+            for tau, colset in per.items():
+                asks.setdefault(tau, []).append(colset)
+        for tau in val.shared:
+            asks.setdefault(tau, []).append(None)
+        for tau, uses in asks.items():
+            cs = {sigma: prob.edge(val, sigma, tau) for sigma in srcs}
+            cmax = max(cs.values())
+            if cmax == 0.0:
+                continue
+            if val.producer is None and all(u is None for u in uses):
+                continue  # a fixed conversion of a fixed value: a constant
+            t, z = nvar, nvar + 1
+            nvar += 2
+            forced = any(u is None for u in uses)
+            extra_lb += [1.0 if forced else 0.0, 0.0]
+            extra_cost += [0.0, 1.0]
+            extra_ub += [1.0, np.inf]
+            for colset in uses:
+                if colset is None:
+                    continue
+                for col in colset:  # x - t <= 0
+                    rows.append(r)
+                    cols.append(col)
+                    data.append(1.0)
+                rows.append(r)
+                cols.append(t)
+                data.append(-1.0)
+                lo.append(-np.inf)
+                hi.append(0.0)
+                r += 1
+            if val.producer is None:  # z >= c t
+                rows += [r, r]
+                cols += [t, z]
+                data += [cs[val.nd], -1.0]
+                lo.append(-np.inf)
+                hi.append(0.0)
+                r += 1
+                continue
+            # μ[σ] in [0, l_σ] for each costly σ: at least t - (the cheap σ's share) of them, and
+            # z = sum_σ c_σ μ[σ]  (tighter than one big-M row: the relaxation keeps the costs)
+            mus = []
+            for sigma, colset in srcs.items():
+                if cs[sigma]:
+                    m = nvar
+                    nvar += 1
+                    extra_lb.append(0.0)
+                    extra_ub.append(1.0)
+                    extra_cost.append(cs[sigma])
+                    mus.append(m)
+                    rows += [r] * (len(colset) + 1)  # μ - l_σ <= 0
+                    cols += [m] + colset
+                    data += [1.0] + [-1.0] * len(colset)
+                    lo.append(-np.inf)
+                    hi.append(0.0)
+                    r += 1
+            # t - sum μ - sum_{cheap σ} l_σ <= 0
+            rows.append(r)
+            cols.append(t)
+            data.append(1.0)
+            for m in mus:
+                rows.append(r)
+                cols.append(m)
+                data.append(-1.0)
+            for sigma, colset in srcs.items():
+                if not cs[sigma]:
+                    rows += [r] * len(colset)
+                    cols += colset
+                    data += [-1.0] * len(colset)
+            lo.append(-np.inf)
+            hi.append(0.0)
+            r += 1
+    n_extra = nvar - nx
+    c = np.concatenate(cost + [np.asarray(extra_cost)])
+    lb = np.concatenate(lb + [np.asarray(extra_lb)])
+    ub = np.concatenate(ub + [np.asarray(extra_ub)])
+    integ = np.concatenate(integ + [np.zeros(n_extra)])
+    a = coo_matrix((data, (rows, cols)), shape=(r, nvar)).tocsr()
+    res = milp(c, constraints=LinearConstraint(a, lo, hi), integrality=integ, bounds=Bounds(lb, ub),
+               options={"time_limit": time_limit, "node_limit": ILP_NODE_LIMIT, "disp": False,
+                        "mip_rel_gap": 1e-6})
+    if res.x is None:
+        return None
+    x = res.x[:nx]
+    return [int(np.argmax(x[base[u]: base[u + 1]])) for u in range(len(nodes))]
+
+
+# -------------------------------------------------------------------------------------------
+# local search: one node at a time, the rest held
+# -------------------------------------------------------------------------------------------
+
+
+def descend(prob: Problem, choice: list[int], max_visits: int = 20) -> list[int]:
+    """Improve ``choice`` node by node (iterated conditional modes): a node takes the candidate
+    that minimises the objective with every other node held; when it changes, the nodes whose
+    costs it changed (producers and other readers of what it reads, readers of what it makes) are
+    visited again, until nothing changes (or every node was visited ``max_visits`` times). Never
+    increases ``objective`` (hubs aside: it costs each conversion from the value as produced)."""
+    nodes, values = prob.nodes, prob.values
+    choice = list(choice)
+    # per value: how many readers want each layout (fixed targets count once, forever)
+    want: dict = {}
+    for k, val in values.items():
+        want[k] = {tau: 1 << 30 for tau in val.shared}
+    for u, n in enumerate(nodes):
+        for k, tau in _reads(n, choice[u]):
+            want[k][tau] = want[k].get(tau, 0) + 1
+    tabs = [_Tables(n) for n in nodes]
+
+    def src_of(k):
+        val = values[k]
+        if val.producer is None:
+            return val.nd
+        u, j = val.producer
+        return nodes[u].cands[choice[u]][1][j]
+
+    def near(u):
+        """The nodes whose costs depend on ``u``'s choice."""
+        n = nodes[u]
+        out = set()
+        for k in n.operands:
+            if k is not None:
+                val = values[k]
+                out.update(f for f, _ in val.uses)
+                if val.producer is not None:
+                    out.add(val.producer[0])
+        for k in n.outputs:
+            if k is not None:
+                out.update(f for f, _ in values[k].uses)
+        out.discard(u)
+        return out
+
+    queue = list(range(len(nodes)))
+    queued = [True] * len(nodes)
+    visits = [0] * len(nodes)
+    head = 0
+    while head < len(queue):
+        u = queue[head]
+        head += 1
+        queued[u] = False
+        visits[u] += 1
+        if visits[u] > max_visits:
+            continue
+        n, tab = nodes[u], tabs[u]
+        if len(n.cands) < 2:
+            continue
+        for k, tau in _reads(n, choice[u]):  # take this node's reads out
+            want[k][tau] -= 1
+        cost = n.cost.copy()
+        for k, lays, idx in tab.ins:
+            w, val = want[k], values[k]
+            src = src_of(k)
+            vec = np.array([0.0 if w.get(t, 0) > 0 else prob.edge(val, src, t) for t in lays])
+            cost += vec[idx]
+        for k, lays, idx in tab.outs:
+            val = values[k]
+            targets = [t for t, m in want[k].items() if m > 0] + val.own
+            vec = np.array([sum(prob.edge(val, sg, t) for t in targets) for sg in lays])
+            cost += vec[idx]
+        if tab.repeated:  # a value read twice (x * x): cost those candidates exactly
+            for s in tab.repeated:
+                cost[s] -= _double_counted(prob, n, s, want, src_of)
+        best = int(np.argmin(cost))
+        if cost[best] < cost[choice[u]] - 1e-6:
+            choice[u] = best
+            for f in near(u):
+                if not queued[f]:
+                    queued[f] = True
+                    queue.append(f)
+        for k, tau in _reads(n, choice[u]):
+            want[k][tau] = want[k].get(tau, 0) + 1
+    return choice
+
+
+class _Tables:
+    """Per operand and result of a node: its distinct layouts over the candidates and, per
+    candidate, the index of its layout (so a node is costed per layout, not per candidate)."""
+
+    def __init__(self, n: Node):
+        self.ins, self.outs = [], []
+        for i, k in enumerate(n.operands):
+            if k is not None:
+                self.ins.append((k, *_index([ins[i] for ins, _ in n.cands])))
+        for j, k in enumerate(n.outputs):
+            if k is not None:
+                self.outs.append((k, *_index([outs[j] for _, outs in n.cands])))
+        keys = [k for k in n.operands if k is not None]
+        self.repeated = []
+        if len(set(keys)) < len(keys):
+            self.repeated = [s for s in range(len(n.cands)) if len(_reads(n, s)) < len(keys)]
+
+
+def _index(items):
+    lays = list(dict.fromkeys(items))
+    at = {x: i for i, x in enumerate(lays)}
+    return lays, np.array([at[x] for x in items], dtype=np.int64)
+
+
+def _double_counted(prob, n, s, want, src_of) -> float:
+    """What the per-operand costing of candidate ``s`` counts twice (one value read twice in
+    one layout is converted once)."""
+    seen, extra = set(), 0.0
+    for k, tau in zip(n.operands, n.cands[s][0]):
+        if k is None:
+            continue
+        if (k, tau) in seen and want[k].get(tau, 0) <= 0:
+            extra += prob.edge(prob.values[k], src_of(k), tau)
+        seen.add((k, tau))
+    return extra
+
+
+def _reads_of(n: Node, ins) -> set:
+    """(value, layout) pairs a node reads under input nd-sbps ``ins`` (each pair once)."""
+    return {(k, tau) for k, tau in zip(n.operands, ins) if k is not None}
+
+
+def _reads(n: Node, s: int) -> set:
+    return _reads_of(n, n.cands[s][0])
+
+
+# -------------------------------------------------------------------------------------------
+# graph reduction: a pairwise model, reduced OneFlow-style, then solved
+# -------------------------------------------------------------------------------------------
+
+
+class _Pairwise:
+    """The problem as a pairwise cost graph: a unary cost vector per node and a cost matrix per
+    edge. A value read by one equation is an edge from its producer to its reader; a value read
+    by several (or by a fixed target that shares conversions) gets a *hub* node whose label is the
+    layout it is distributed in: the producer pays for converting to it once, each reader for
+    converting from it (nothing when it reads the hub's layout). That is the conversion cache's
+    sharing in pairwise form (converting back from the hub, usually B, is usually free; where the
+    model is off, ``descend`` on the exact objective corrects it)."""
+
+    def __init__(self, prob: Problem):
+        self.unary: list[np.ndarray] = []
+        self.adj: list[dict] = []  # node -> {neighbour: cost matrix, rows = this node's labels}
+        self.n_eqn = len(prob.nodes)
+        for n in prob.nodes:
+            self._node(n.cost.astype(float).copy())
+        for val in prob.values.values():
+            self._value(prob, val)
+
+    def _node(self, unary) -> int:
+        self.unary.append(unary)
+        self.adj.append({})
+        return len(self.unary) - 1
+
+    def edge(self, a, b, m):
+        """Add cost matrix ``m`` (rows: ``a``'s labels) between ``a`` and ``b`` (parallel edges merge)."""
+        if a == b:
+            self.unary[a] += np.diagonal(m)
+            return
+        old = self.adj[a].get(b)
+        if old is not None:
+            m = old + m
+        self.adj[a][b] = m
+        self.adj[b][a] = m.T
+
+    def _value(self, prob: Problem, val: Value):
+        nodes = prob.nodes
+        readers = [(u, i) for u, i in val.uses]
+        if val.producer is not None:
+            u, j = val.producer
+            src = [outs[j] for _, outs in nodes[u].cands]
+            for t in val.own:  # conversions of its own (outputs, loop operands)
+                self.unary[u] += np.array([prob.edge(val, s, t) for s in src])
+        else:
+            src = None
+        if not readers and not val.shared:
+            return
+        if len(readers) == 1 and not val.shared:
+            f, i = readers[0]
+            dst = [ins[i] for ins, _ in nodes[f].cands]
+            if src is None:
+                self.unary[f] += np.array([prob.edge(val, val.nd, d) for d in dst])
+            else:
+                self.edge(val.producer[0], f, _matrix(prob, val, src, dst))
+            return
+        labels = list(dict.fromkeys(
+            [val.nd] if src is None else src + [ins[i] for f, i in readers for ins, _ in nodes[f].cands]))
+        labels += [t for t in val.shared if t not in labels]
+        hub_cost = np.array([float(sum(prob.edge(val, h, t) for t in val.shared)) for h in labels])
+        if src is None:
+            hub_cost += np.array([prob.edge(val, val.nd, h) for h in labels])
+        hub = self._node(hub_cost)
+        if src is not None:
+            self.edge(val.producer[0], hub, _matrix(prob, val, src, labels))
+        for f, i in readers:
+            self.edge(hub, f, _matrix(prob, val, labels, [ins[i] for ins, _ in nodes[f].cands]))
+
+    def solve(self, start: list[int] | None = None) -> list[int]:
+        """A label per node: nodes of degree at most two are eliminated (a leaf folds its best
+        answer into its neighbour's costs; a node between two others becomes one edge holding the
+        best middle label for each pair, merged with any edge already there), repeatedly; what
+        is left is solved by ``_icm`` from ``start``; the eliminated nodes are then read back."""
+        unary, adj = self.unary, self.adj
+        n = len(unary)
+        label = [0] * n
+        if start is not None:  # the hubs' best labels for the start's equations
+            label[: self.n_eqn] = start
+            _icm(unary, adj, range(self.n_eqn, n), label, sweeps=1)
+        alive = [True] * n
+        undo = []
+        stack = [u for u in range(n) if len(adj[u]) <= 2]
+        while stack:
+            u = stack.pop()
+            if not alive[u] or len(adj[u]) > 2:
+                continue
+            nb = list(adj[u])
+            alive[u] = False
+            if not nb:
+                undo.append((u, ()))
+            elif len(nb) == 1:
+                (a,) = nb
+                m = adj[a].pop(u) + unary[u][None, :]
+                del adj[u][a]
+                unary[a] = unary[a] + m.min(axis=1)
+                undo.append((u, (a,), m.argmin(axis=1)))
+                stack.append(a)
+            else:
+                a, b = nb
+                ma, mb = adj[a].pop(u), adj[u].pop(b)  # (|a|, |u|), (|u|, |b|)
+                del adj[u][a], adj[b][u]
+                m3 = ma[:, :, None] + unary[u][None, :, None] + mb[None, :, :]
+                arg = m3.argmin(axis=1)
+                self.edge(a, b, np.take_along_axis(m3, arg[:, None, :], axis=1)[:, 0, :])
+                undo.append((u, (a, b), arg))
+                stack += [a, b]
+        core = [u for u in range(n) if alive[u]]
+        if start is None:
+            for u in core:
+                label[u] = int(np.argmin(unary[u]))
+        _icm(unary, adj, core, label)
+        for entry in reversed(undo):
+            u, nb = entry[0], entry[1]
+            if not nb:
+                label[u] = int(np.argmin(unary[u]))
+            elif len(nb) == 1:
+                label[u] = int(entry[2][label[nb[0]]])
+            else:
+                label[u] = int(entry[2][label[nb[0]], label[nb[1]]])
+        return label[: self.n_eqn]
+
+
+def _matrix(prob, val, src, dst) -> np.ndarray:
+    """Edge costs between candidate lists by their layouts (each distinct pair costed once)."""
+    su, du = tuple(dict.fromkeys(src)), tuple(dict.fromkeys(dst))
+    key = (val.shape, val.itemsize, val.anchored, su, du)
+    small = prob._cost_cache.get(key)
+    if small is None:
+        small = prob._cost_cache[key] = np.array([[prob.edge(val, a, b) for b in du] for a in su])
+    si = {x: i for i, x in enumerate(su)}
+    di = {x: i for i, x in enumerate(du)}
+    return small[np.array([si[x] for x in src])][:, np.array([di[x] for x in dst])]
+
+
+def _icm(unary, adj, core, label, sweeps: int = 20):
+    """Iterated conditional modes on the pairwise model, over the nodes in ``core``."""
+    for sweep in range(sweeps):
+        changed = False
+        for u in (core if sweep % 2 == 0 else reversed(core)):
+            cost = unary[u].copy()
+            for b, m in adj[u].items():
+                cost += m[:, label[b]]
+            best = int(np.argmin(cost))
+            if cost[best] < cost[label[u]] - 1e-6:
+                label[u] = best
+                changed = True
+        if not changed:
+            break
+
+
+# -------------------------------------------------------------------------------------------
+# driver
+# -------------------------------------------------------------------------------------------
+
+
+def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
+    """The globally planned ``Program`` of ``jaxpr`` (``_compiler.infer``'s planner when
+    ``JSBP_PLANNER=global``).
+
+    A reference forward pass (the compiler's greedy one, inputs anchored) records every
+    top-scope equation with its candidates and fixes what the global choice leaves alone (loop
+    and branch steps). The problem is solved, and a second forward pass follows the chosen
+    signatures (``_Inference.fixed``). Where the chosen layouts change which equations exist (an
+    ``argmax`` over a dim that is now split is decomposed, an inlined call's rule looks at other
+    layouts), the forward pass decides those equations itself; a further round re-plans from that
+    pass while the modelled cost drops."""
+    from ._compiler import _Inference, _search_pass, program_cost
+
+    args = (jaxpr, consts, in_layouts, out_nd)
+    prog, inf = _search_pass(placement, *args, strict=strict)
+    plans = [(program_cost(prog), 0, prog)]  # the starting plan is kept only if cheaper
+    for r in range(1, ROUNDS + 1):
+        prob = build(inf, prog, jaxpr, out_nd)
+        start = _choice_of(prob, prog)
+        for n, c in zip(prob.nodes, start):  # ``STICKY_BYTES`` for leaving the search's choice
+            n.cost = n.cost + STICKY_BYTES
+            n.cost[c] -= STICKY_BYTES
+        choice = solve(prob, start)
+        hubs = {k: h for k, val in prob.values.items() if (h := conversions(prob, val, choice)[1]) is not None}
+        if choice == start and not hubs:
+            break  # the search's plan is the best found
+        fixed = {id(n.eqn): n.cands[c] for n, c in zip(prob.nodes, choice)}
+        nxt = _Inference(placement, None, inf.cands_cache, strict=strict, copies=inf.copies)
+        nxt.fixed, nxt.hubs = fixed, hubs
+        new = nxt.program(*args)
+        plans.append((program_cost(new), -r, new))
+        if len(nxt.followed) == len(fixed):
+            break  # every decision was followed: another round would solve the same problem
+        inf, prog = nxt, new
+    return min(plans, key=lambda p: (p[0], -p[1]))[2]  # ties: the search's plan
+
+
+def _choice_of(prob: Problem, prog) -> list[int]:
+    """The candidate ``prog`` chose for each node of ``prob`` (built from ``prog``)."""
+    from ._compiler import iter_steps
+
+    sigs = {}
+    for _, st in iter_steps(prog):
+        sigs[id(st.eqn)] = (tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts))
+    return [n.cands.index(sigs[id(n.eqn)]) for n in prob.nodes]
+
+
+ROUNDS = 2
+"""Plan / forward-pass rounds (a second one only when the first pass could not follow a decision)."""
+
+
+def solve(prob: Problem, start: list[int]) -> list[int]:
+    """The best choice found: exact (``solve_ilp``) when the problem is small, then polished by
+    ``descend``; the start when nothing beats it."""
+    best = descend(prob, start)
+    best_obj = objective(prob, best)
+    tries = [lambda: _Pairwise(prob).solve(start)]
+    if prob.nodes and sum(len(n.cands) for n in prob.nodes) <= ILP_MAX_VARS:
+        tries.append(lambda: solve_ilp(prob))
+    for make in tries:
+        got = make()
+        if got is None:
+            continue
+        for sol in (got, descend(prob, got)):  # (``descend`` does not see hubs: keep both)
+            obj = objective(prob, sol)
+            if obj < best_obj - 1e-6:
+                best, best_obj = sol, obj
+    return best
