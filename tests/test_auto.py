@@ -10,16 +10,15 @@ cost model) than any hand-written layout of the same step; impossible budgets an
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _examples import load_example
 from flax import nnx
 
 import jsbp
@@ -208,17 +207,9 @@ def test_core_bad_inputs(plc):
 # ------------------------------------------------------------------------------------------------
 
 
-def _load_example(name):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
-tg = _load_example("train_gpt")
+tg = load_example("train_gpt")
 # parameters and optimizer state dominate the memory (a wide MLP, 16 tokens a step), so a
 # quarter of them per device leaves room for the activations of a Megatron layout
 CFG = tg.GPTConfig(vocab=64, seq=8, d_model=64, n_heads=4, n_layers=1, d_mlp=512)

@@ -10,18 +10,17 @@ built once per module and reused by the parity, memory and communication checks.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 import pathlib
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _examples import load_example
 from flax import nnx
 
 import jsbp
@@ -33,17 +32,9 @@ FULL = os.environ.get("JSBP_FULL", "") not in ("", "0")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load_example(name):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
-tg = _load_example("train_gpt")
+tg = load_example("train_gpt")
 
 CFG = tg.GPTConfig(vocab=56, seq=16, d_model=32, n_heads=8, n_layers=1, d_mlp=64)
 STEPS = 10

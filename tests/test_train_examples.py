@@ -3,7 +3,6 @@ examples/train_lenet.py (both views). Long runs are gated on JSBP_FULL=1."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -13,6 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from _examples import load_example
 from flax import nnx
 
 import jsbp
@@ -22,18 +22,10 @@ FULL = os.environ.get("JSBP_FULL", "") not in ("", "0")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load_example(name):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
-tg = _load_example("train_gpt")
-tl = _load_example("train_lenet")
+tg = load_example("train_gpt")
+tl = load_example("train_lenet")
 
 
 def _run_example(*args, timeout=600):

@@ -57,16 +57,21 @@ EXHAUSTIVE_OPTIONS = 5
 forward selection."""
 
 
-def _conflicts(flat, names) -> list[set]:
-    """Per parameter, the set of its dims' names: two of one set cannot both go to ``tp``."""
-    out = []
+def _param_dim_names(flat):
+    """Each parameter's per-dim logical names (``None`` where its metadata does not parse)."""
     for path, var in flat:
         if _kind(var) != "param":
             continue
         try:
-            dn = dim_names(_names(var), len(_shape(_value(var))), path_str(path))
+            yield dim_names(_names(var), len(_shape(_value(var))), path_str(path))
         except SbpError:
-            continue
+            yield None
+
+
+def _conflicts(flat, names) -> list[set]:
+    """Per parameter, the set of its dims' names: two of one set cannot both go to ``tp``."""
+    out = []
+    for dn in _param_dim_names(flat):
         s = {n for n in (dn or ()) if isinstance(n, str) and n in names}
         if len(s) > 1 and s not in out:
             out.append(s)
@@ -141,13 +146,7 @@ def _grids(placement: Placement) -> list[tuple[int, int, Placement]]:
 def _model_names(flat) -> list[str]:
     """Every logical name on the parameters' sharding metadata (sorted; ``"batch"`` excluded)."""
     names: set[str] = set()
-    for path, var in flat:
-        if _kind(var) != "param":
-            continue
-        try:
-            dn = dim_names(_names(var), len(_shape(_value(var))), path_str(path))
-        except SbpError:
-            dn = None
+    for dn in _param_dim_names(flat):
         for n in dn or ():
             for x in (n if isinstance(n, tuple) else (n,)):
                 if isinstance(x, str) and x != "batch":
