@@ -304,7 +304,7 @@ def _layout_of(prob, val, choice):
 
 def solve_ilp(prob: Problem, time_limit: float | None = None) -> list[int] | None:
     """The optimal choice per node (``scipy.optimize.milp`` with HiGHS), or None if the solver
-    found no solution in time. Formulation (one row per item):
+    found no solution in time or scipy is not installed. Formulation (one row per item):
 
     * ``x[u, s]`` binary, ``sum_s x[u, s] = 1``;
     * ``t[v, τ]`` in [0, 1]: value ``v`` is converted to ``τ``; ``t[v, τ] >= sum of x[f, s]`` over
@@ -313,10 +313,13 @@ def solve_ilp(prob: Problem, time_limit: float | None = None) -> list[int] | Non
       where ``l[v, σ]`` (the producer's candidates giving ``σ``) sums to 1 and ``C_τ = max_σ c``;
     * minimise compute + ``sum z`` + the conversions to fixed targets that are not shared.
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    try:  # scipy is optional (``pip install jsbp[planner]``): without it, descent and reduction
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+    except ImportError:
+        return None
 
     time_limit = ILP_TIME_LIMIT if time_limit is None else time_limit
-    from scipy.sparse import coo_matrix
 
     nodes = prob.nodes
     base = np.zeros(len(nodes) + 1, dtype=np.int64)

@@ -65,6 +65,18 @@ def test_ilp_finds_the_exhaustive_optimum(case, monkeypatch):
     assert G.objective(prob, got, hubs=False) == pytest.approx(best, rel=1e-9, abs=1e-6)
 
 
+def test_without_scipy_the_other_solvers_answer(monkeypatch):
+    """scipy is optional (the ``planner`` extra): without it the exact solver steps aside and the
+    descent / reduction still give a plan no costlier than the start."""
+    import sys
+
+    prob, prog = _problem(*SMALL["1d"](), monkeypatch)
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # import scipy.optimize -> ImportError
+    assert G.solve_ilp(prob) is None
+    start = G._choice_of(prob, prog)
+    assert G.objective(prob, G.solve(prob, start)) <= G.objective(prob, start) + 1e-6
+
+
 @pytest.mark.parametrize("case", list(SMALL))
 def test_descent_and_reduction_never_cost_more_than_their_start(case, monkeypatch):
     prob, prog = _problem(*SMALL[case](), monkeypatch)
