@@ -35,6 +35,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYOUT_NAMES = ("dp8", "tp8", "dp2tp4", "zero3")
 
 
+from _common import fmt_coll, pins  # noqa: E402  (benchmarks/ is the script's directory)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="", help="comma-separated subset (default: all six)")
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
                 f"{m} {lay}: step jsbp {r['jsbp_ms']:.2f} ms GSPMD {r['gspmd_ms']:.2f} ms "
                 f"(x{r['ratio']:.2f}); first call jsbp {r['jsbp_first_ms']:.0f} ms GSPMD "
                 f"{r['gspmd_first_ms']:.0f} ms (x{r['first_ratio']:.2f}); collectives jsbp "
-                f"{_fmt_coll(r['jsbp_coll'])} | GSPMD {_fmt_coll(r['gspmd_coll'])}; "
+                f"{fmt_coll(r['jsbp_coll'])} | GSPMD {fmt_coll(r['gspmd_coll'])}; "
                 f"load {r['load']:.2f}",
                 file=sys.stderr,
                 flush=True,
@@ -88,20 +91,6 @@ def main(argv=None) -> int:
     return 0
 
 
-_SHORT = {
-    "all-reduce": "AR",
-    "all-gather": "AG",
-    "reduce-scatter": "RS",
-    "all-to-all": "A2A",
-    "collective-permute": "CP",
-}
-
-
-def _fmt_coll(c: dict) -> str:
-    parts = [f"{v} {_SHORT.get(k, k)}" for k, v in c.items() if v]
-    return ", ".join(parts) if parts else "none"
-
-
 def table(results) -> str:
     head = (
         "| model | layout | jsbp step (ms) | GSPMD step (ms) | step ratio | jsbp first call (ms) | "
@@ -113,7 +102,7 @@ def table(results) -> str:
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['jsbp_ms']:.2f} | {r['gspmd_ms']:.2f} | "
             f"{r['ratio']:.2f} | {r['jsbp_first_ms']:.0f} | {r['gspmd_first_ms']:.0f} | "
-            f"{r['first_ratio']:.2f} | {_fmt_coll(r['jsbp_coll'])} | {_fmt_coll(r['gspmd_coll'])} | "
+            f"{r['first_ratio']:.2f} | {fmt_coll(r['jsbp_coll'])} | {fmt_coll(r['gspmd_coll'])} | "
             f"{r['uneven']} |"
         )
     return "\n".join(lines)
@@ -255,22 +244,9 @@ def gspmd_step(mod, strategy, host_batch):
     batch = jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair)
     batch_sh = jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair)
 
-    def wsc_names(x, names=None, *, sbp=None, grad_sbp="same"):
-        nd = strategy.sbp_for_names(names, np.shape(x)) if sbp is None else sbp
-        return jax.lax.with_sharding_constraint(x, sharding(nd, np.shape(x)))
 
+    wsc_names, use, pin_grad, map_flat = pins(strategy, plans, sharding)
     zero3 = strategy.zero >= 3
-
-    def use(path, p):
-        return jax.lax.with_sharding_constraint(p, sharding(plans[(0,) + path].use, p.shape))
-
-    def pin_grad(path, g):
-        return jax.lax.with_sharding_constraint(g, sharding(plans[(0,) + path].grad, g.shape))
-
-    def map_flat(st, f):
-        return nnx.from_flat_state(
-            [(p, v.replace(f(p, v.get_value()))) for p, v in nnx.to_flat_state(st)]
-        )
 
     def step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)

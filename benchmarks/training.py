@@ -36,6 +36,9 @@ STRATEGIES = {  # name: (parallel, zero, accum)
 }
 
 
+from _common import fmt_coll, pins  # noqa: E402  (benchmarks/ is the script's directory)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=20, help="timed steps per strategy and side")
@@ -82,23 +85,11 @@ def main(argv=None) -> int:
         for r in sm:
             print(
                 f"| {r['name']} | {r['jsbp_ms_vs_shard_map']:.2f} | {r['shard_map_ms']:.2f} | "
-                f"{r['shard_map_ratio']:.3f} | {_fmt_coll(r['shard_map_coll'])} |"
+                f"{r['shard_map_ratio']:.3f} | {fmt_coll(r['shard_map_coll'])} |"
             )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
-
-
-def _fmt_coll(c: dict) -> str:
-    short = {
-        "all-reduce": "AR",
-        "all-gather": "AG",
-        "reduce-scatter": "RS",
-        "all-to-all": "A2A",
-        "collective-permute": "CP",
-    }
-    parts = [f"{v} {short[k]}" for k, v in c.items() if v]
-    return ", ".join(parts) if parts else "none"
 
 
 def table(results) -> str:
@@ -110,7 +101,7 @@ def table(results) -> str:
     for r in results:
         lines.append(
             f"| {r['name']} | {r['jsbp_ms']:.2f} | {r['hand_ms']:.2f} | {r['ratio']:.3f} | "
-            f"{_fmt_coll(r['jsbp_coll'])} | {_fmt_coll(r['hand_coll'])} |"
+            f"{fmt_coll(r['jsbp_coll'])} | {fmt_coll(r['hand_coll'])} |"
         )
     return "\n".join(lines)
 
@@ -253,22 +244,9 @@ def hand_written(tg, cfg, strategy, accum, host_batch):
     batch_sh = sharding(bnd, host_batch.shape)
     batch = jax.device_put(jnp.asarray(host_batch), batch_sh)
 
-    def wsc_names(x, names=None, *, sbp=None, grad_sbp="same"):
-        nd = strategy.sbp_for_names(names, np.shape(x)) if sbp is None else sbp
-        return jax.lax.with_sharding_constraint(x, sharding(nd, np.shape(x)))
 
+    wsc_names, use, pin_grad, map_flat = pins(strategy, plans, sharding)
     zero3 = strategy.zero >= 3
-
-    def use(path, p):
-        return jax.lax.with_sharding_constraint(p, sharding(plans[(0,) + path].use, p.shape))
-
-    def pin_grad(path, g):
-        return jax.lax.with_sharding_constraint(g, sharding(plans[(0,) + path].grad, g.shape))
-
-    def map_flat(st, f):
-        return nnx.from_flat_state(
-            [(p, v.replace(f(p, v.get_value()))) for p, v in nnx.to_flat_state(st)]
-        )
 
     def step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)

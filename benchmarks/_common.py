@@ -1,0 +1,48 @@
+"""Shared by ``training.py`` and ``models.py``: the GSPMD baselines' pins (what a jsbp strategy
+annotates, written as ``with_sharding_constraint`` on ``NamedSharding`` s) and the short names
+of collectives in their tables."""
+
+from __future__ import annotations
+
+
+def pins(strategy, plans, sharding):
+    """``(wsc_names, use, pin_grad, map_flat)`` for a strategy: ``wsc_names`` stands in for
+    ``jsbp.flax.constrain``; ``use`` / ``pin_grad`` pin a parameter to its ZeRO-3 use layout and a
+    gradient to its strategy layout (``plans``: ``jsbp.flax.leaf_layouts``); ``map_flat`` maps a
+    function of ``(path, value)`` over an ``nnx.State``. ``sharding(nd, shape)``: the
+    ``NamedSharding`` of an nd-sbp."""
+    import jax  # imported here: the scripts set up their devices before JAX starts
+    import numpy as np
+    from flax import nnx
+
+    def wsc_names(x, names=None, *, sbp=None, grad_sbp="same"):
+        nd = strategy.sbp_for_names(names, np.shape(x)) if sbp is None else sbp
+        return jax.lax.with_sharding_constraint(x, sharding(nd, np.shape(x)))
+
+    def use(path, p):
+        return jax.lax.with_sharding_constraint(p, sharding(plans[(0,) + path].use, p.shape))
+
+    def pin_grad(path, g):
+        return jax.lax.with_sharding_constraint(g, sharding(plans[(0,) + path].grad, g.shape))
+
+    def map_flat(st, f):
+        return nnx.from_flat_state(
+            [(p, v.replace(f(p, v.get_value()))) for p, v in nnx.to_flat_state(st)]
+        )
+
+    return wsc_names, use, pin_grad, map_flat
+
+
+_SHORT = {
+    "all-reduce": "AR",
+    "all-gather": "AG",
+    "reduce-scatter": "RS",
+    "all-to-all": "A2A",
+    "collective-permute": "CP",
+}
+
+
+def fmt_coll(c: dict) -> str:
+    """``{"all-reduce": 3, "all-gather": 1}`` -> ``"3 AR, 1 AG"`` (``"none"`` when empty)."""
+    parts = [f"{v} {_SHORT.get(k, k)}" for k, v in c.items() if v]
+    return ", ".join(parts) if parts else "none"
