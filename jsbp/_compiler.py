@@ -154,6 +154,7 @@ def _norm_sig(sig):
 
 
 _NO_BUDGET = float("inf")
+_CHOICES, _OPTIONS = object(), object()  # private keys of ``_Inference.cands_cache`` / ``.choices``
 
 
 class _Inference:
@@ -170,6 +171,8 @@ class _Inference:
         # the anchored seed of ``infer``): consumers box around them
         self.anchored = anchored
         self.cands_cache = {} if cands_cache is None else cands_cache
+        # ``choose``'s rankings, shared like ``cands_cache`` (``_choice_key``)
+        self.choices = self.cands_cache.setdefault(_CHOICES, {})
         self.boxed: dict = {}  # var -> the nd-sbps it was already boxed to in the current program
         # a pass stops (``_OverBudget``) once its top-scope boxings cost this much
         self.budget, self.spent = budget, 0.0
@@ -363,6 +366,7 @@ class _Inference:
                 return _asked_by_another(self.demand, v, nd, eqn)
         # fast path: a signature that needs no boxing (inputs as they are, outputs as wanted) wins
         # outright; only the tie-breakers rank those
+        base = cands
         cur_nd = tuple(l.nd_sbp for l in cur)
         as_is = [(ins, outs) for ins, outs in cands if ins == cur_nd]
         if as_is and eqn.primitive.name in _COMPUTE_HEAVY:
@@ -385,17 +389,50 @@ class _Inference:
             (i, cur_nd[i]) for i, v in enumerate(eqn.invars)
             if self.anchored and not isinstance(v, jcore.Literal) and self.key(v) in self.anchored
         ]
+
+        def cheapest(sub, tag):
+            key = self._choice_key(eqn, base, cur_nd, demand, reuse, avail, (tag, tuple(pinned)))
+            hit = self.choices.get(key)
+            if hit is None or hit[0] is not base:
+                hit = self.choices[key] = (base, self._cheapest(eqn, cur, sub, demand, reuse, avail))
+            return hit[1]
+
         if not pinned:
-            return self._cheapest(eqn, cur, cands, demand, reuse, avail)
+            return cheapest(cands, "all")
         keep = [(ins, outs) for ins, outs in cands if all(ins[i] == nd for i, nd in pinned)]
         if keep and self.diverged is False:
             # would a pass without anchors convert an input here? (``_search``: if no equation
             # would, that pass is this one and need not run)
-            best = self._cheapest(eqn, cur, cands, demand, reuse, avail)
+            best = cheapest(cands, "unpinned")
             if all(best[0][i] == nd for i, nd in pinned):
                 return best
             self.diverged = True
-        return self._cheapest(eqn, cur, keep or cands, demand, reuse, avail)
+        return cheapest(keep, "pinned") if keep else cheapest(cands, "all")
+
+    def _choice_key(self, eqn, base, cur_nd, demand, reuse, avail, tag):
+        """Everything ``_cheapest`` reads, as a key: the equation's candidates (``base``, one list
+        per rule and operand / result types, so it stands for the primitive, its parameters and
+        shapes), the operands' layouts, per operand its earlier conversions and the layouts
+        ``avail`` grants for free, the layouts wanted of each output, and whether the
+        small-partial charge is on (``_IN_BODY``). Equal keys rank equally: the repeated layers of
+        a model are ranked once. ``tag``: which subset of ``base`` is ranked (a function of the
+        rest of the key)."""
+        opts = self.choices.get((_OPTIONS, id(base)))
+        if opts is None or opts[0] is not base:
+            per_op = [dict.fromkeys(ins[i] for ins, _ in base) for i in range(len(cur_nd))]
+            opts = self.choices[(_OPTIONS, id(base))] = (base, per_op)
+        ops = []
+        for i, v in enumerate(eqn.invars):
+            if isinstance(v, jcore.Literal):
+                ops.append(None)
+                continue
+            k = self.key(v)
+            held = self.held(v) if reuse else {}
+            src = cur_nd[i]
+            free = tuple(nd for nd in opts[1][i] if nd != src and nd not in held and avail(k, nd))
+            ops.append((tuple(held), free))
+        wants = tuple(None if isinstance(v, jcore.DropVar) else tuple(demand.get(v, ())) for v in eqn.outvars)
+        return (id(base), cur_nd, tuple(ops), wants, reuse, _IN_BODY.get(), tag)
 
     def _cheapest(self, eqn, cur, cands, demand, reuse, avail):
         """``choose``'s ranking of ``cands`` (see there)."""

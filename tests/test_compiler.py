@@ -860,3 +860,62 @@ def test_loop_bodies_are_planned_with_lookahead():
     np.testing.assert_allclose(g.numpy(), ref_g, rtol=1e-3, atol=1e-4 * float(np.abs(ref_g).max()))
     gcounts = jsbp.debug.count_collectives(grad, x, ws)
     assert gcounts["all-gather"] == 0 and gcounts["reduce-scatter"] == 0, gcounts
+
+
+def _deep_mlp_step(layers):
+    """A train step of ``layers`` identical tensor-parallel blocks written as a Python loop (one
+    flat program, as a user's ``for`` over ``nnx.List`` layers gives)."""
+
+    def loss(ws, x):
+        for w1, w2 in ws:
+            x = x + jnp.tanh(x @ w1) @ w2
+        return jnp.mean(x * x)
+
+    def step(ws, x):
+        g = jax.grad(loss)(ws, x)
+        return jax.tree_util.tree_map(lambda w, d: w - 0.1 * d, ws, g)
+
+    ws = [(gt(rand(16, 32), R24, "B, S(1)"), gt(rand(32, 16), R24, "B, S(0)")) for _ in range(layers)]
+    return step, (ws, gt(rand(8, 16), R24, "S(0), B"))
+
+
+def test_repeated_layers_are_ranked_once(monkeypatch):
+    """``choose`` ranks an equation's candidates once per key of everything the ranking reads
+    (``_choice_key``): the repeated blocks of a model hit the memo, so ranking work stays flat as
+    blocks are added, and the plan is the one found without the memo, equation by equation."""
+    from jsbp import _compiler as C
+    from jsbp import _jit
+
+    def plan(layers, memo=True):
+        step, args = _deep_mlp_step(layers)
+        seen = []
+        with monkeypatch.context() as m:
+            m.setattr(_jit, "infer", lambda *a, **k: seen.append(a) or C.infer(*a, **k))
+            jsbp.jit(step).lower_program(*args)
+        placement, jaxpr, consts, lays, out_nd = seen[0]
+        jaxpr = C._dce(jaxpr)
+        calls = []
+        real = C._Inference._cheapest
+        with monkeypatch.context() as m:
+            m.setattr(C._Inference, "_cheapest", lambda self, *a: calls.append(1) or real(self, *a))
+            if not memo:  # a key no other call has: every ranking is computed
+                m.setattr(C._Inference, "_choice_key", lambda self, *a: object())
+            prog = C._search(placement, jaxpr, consts, lays, out_nd)
+        return prog, len(calls), len(jaxpr.eqns)
+
+    ranked, plain, eqns = {}, {}, {}
+    for layers in (2, 6):
+        got, ranked[layers], eqns[layers] = plan(layers)
+        want, plain[layers], _ = plan(layers, memo=False)
+        assert C.program_cost(got) == C.program_cost(want)
+        assert _signatures(got) == _signatures(want)
+    # three times the equations; without the memo about three times the rankings, with it a few
+    # more (the first and last blocks differ from the middle ones)
+    assert eqns[6] > 2.5 * eqns[2] and plain[6] > 2.5 * plain[2], (eqns, plain)
+    assert ranked[6] - ranked[2] < (plain[6] - plain[2]) / 10, (ranked, plain)
+
+    step, args = _deep_mlp_step(3)
+    out = jsbp.jit(step)(*args)
+    ref = step(*jax.tree_util.tree_map(lambda t: jnp.asarray(t.numpy()), args,
+                                       is_leaf=lambda t: isinstance(t, jsbp.GlobalTensor)))
+    assert_tree_close(out, ref, rtol=1e-4, atol=1e-4)  # float32 sums in another order
