@@ -154,7 +154,7 @@ def _norm_sig(sig):
 
 
 _NO_BUDGET = float("inf")
-_CHOICES, _OPTIONS = object(), object()  # private keys of ``_Inference.cands_cache`` / ``.choices``
+_CHOICES, _OPTIONS, _EQN, _AS_IS = object(), object(), object(), object()  # private keys of ``_Inference.cands_cache`` / ``.choices``
 
 
 class _Inference:
@@ -323,9 +323,12 @@ class _Inference:
     def candidates(self, eqn, cur: list[Layout]):
         """The rule of ``eqn`` and its legal nd signatures on this placement (memoised across
         the passes of one ``infer``: rules may look at the current layouts, so they are the key)."""
-        key = _eqn_key(eqn)
-        rule = _registry._RULES.get(eqn.primitive.name)
-        if rule is not None and rule.nd:  # an nd rule may look at the current layouts
+        known = self.choices.get((_EQN, id(eqn)))
+        if known is None or known[0] is not eqn:  # the key of this equation, computed once
+            rule = _registry._RULES.get(eqn.primitive.name)
+            known = self.choices[(_EQN, id(eqn))] = (eqn, _eqn_key(eqn), rule is not None and rule.nd)
+        _, key, nd_rule = known
+        if nd_rule:  # an nd rule may look at the current layouts
             key = (key, tuple(l.nd_sbp for l in cur))
         hit = self.cands_cache.get(key)
         if hit is None:
@@ -368,7 +371,10 @@ class _Inference:
         # outright; only the tie-breakers rank those
         base = cands
         cur_nd = tuple(l.nd_sbp for l in cur)
-        as_is = [(ins, outs) for ins, outs in cands if ins == cur_nd]
+        hit = self.choices.get((_AS_IS, id(base), cur_nd))
+        if hit is None or hit[0] is not base:
+            hit = self.choices[(_AS_IS, id(base), cur_nd)] = (base, [(i, o) for i, o in base if i == cur_nd])
+        as_is = hit[1]
         if as_is and eqn.primitive.name in _COMPUTE_HEAVY:
             # bytes are not the whole cost here: gathering the operands of a matmul to save a
             # reduction of its result would repeat the whole product on every device

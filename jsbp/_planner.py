@@ -17,9 +17,11 @@ program (see ``docs/planner.md``) and solves it:
   annotations and JAX sharding requests are fixed targets; scan / while / cond steps keep the
   layouts the reference pass gave them (their bodies are planned by the compiler, given those).
 
-Exact (``scipy.optimize.milp``, HiGHS) when the problem is small; larger ones are first shrunk by
-OneFlow-style reductions (``_reduce``): equations whose choice cannot matter are fixed, and
-repeated identical layers are solved once (``_solve_repeated``). The decisions are handed back to
+Solved exactly (``solve_ilp``: ``scipy.optimize.milp``, HiGHS) when the problem is small, and by
+OneFlow-style graph reduction (``_Pairwise``: leaves folded, chains collapsed, parallel edges
+merged) and descent (``descend``) at any size. Repeated identical layers are not solved once
+here: each is a copy of its nodes (the search this starts from ranks them once,
+``_compiler._Inference._choice_key``). The decisions are handed back to
 the compiler's forward pass (``_Inference.fixed``), which builds an ordinary ``Program`` from them
 — every candidate it follows is legal for the layouts it sees, so a plan can be costly but never
 wrong.
@@ -110,6 +112,8 @@ class Value:
     uses: list = dataclasses.field(default_factory=list)  # (node index, operand index)
     shared: set = dataclasses.field(default_factory=set)  # fixed targets sharing the conversion cache
     own: list = dataclasses.field(default_factory=list)  # fixed targets each converting alone
+    # (src, dst) -> ``Problem.edge``, one table per (shape, itemsize, anchored), set on first use
+    costs: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -125,8 +129,10 @@ class Problem:
         planner's small charge per local move."""
         if src == dst:
             return 0.0
-        key = (src, dst, v.shape, v.itemsize, v.anchored)
-        hit = self._cost_cache.get(key)
+        table = v.costs
+        if table is None:
+            table = v.costs = self._cost_cache.setdefault(("edges", v.shape, v.itemsize, v.anchored), {})
+        hit = table.get((src, dst))
         if hit is None:
             # ``_compiler._moves_cost(plan(...))`` without building the moves, plus the
             # planner's small charge for a local move (a slice, a zero-fill) that it ranks by
@@ -137,7 +143,7 @@ class Problem:
             cost += sum(LOCAL_MOVE_BYTES + total / math.prod(self.hierarchy) for m in path if not m.collective)
             if v.anchored and any(m.collective for m in path):
                 cost += ANCHOR_BYTES
-            hit = self._cost_cache[key] = cost
+            hit = table[(src, dst)] = cost
         return hit
 
 
@@ -179,6 +185,7 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
     hier = inf.placement.hierarchy
     nodes: list[Node] = []
     values: dict = {}
+    work: dict = {}  # id(candidates) -> (candidates, ``_work``): equal equations share their list
 
     def value(v, nd=None):
         k = inf.key(v)
@@ -225,7 +232,10 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
                     k, val = value(v)
                     val.producer, val.nd = (u, j), None
                     outputs.append(k)
-                nodes.append(Node(eqn, list(cands), operands, outputs, _work(eqn, cands, hier)))
+                w = work.get(id(cands))
+                if w is None or w[0] is not cands:
+                    w = work[id(cands)] = (cands, _work(eqn, cands, hier))
+                nodes.append(Node(eqn, list(cands), operands, outputs, w[1].copy()))
             else:
                 shared = st.kind in ("annotate", "prim")  # boxed via the conversion cache
                 for v, lay in zip(st.eqn.invars, st.in_layouts):
