@@ -100,6 +100,7 @@ class Node:
     operands: list  # per operand: value key or None (a literal)
     outputs: list  # per output: value key or None (dropped)
     cost: np.ndarray  # per candidate: redundant compute (byte-equivalents)
+    kind: int = 0  # equal for equations sharing one candidate list (same rule, parameters, types)
 
 
 @dataclasses.dataclass
@@ -114,6 +115,7 @@ class Value:
     own: list = dataclasses.field(default_factory=list)  # fixed targets each converting alone
     # (src, dst) -> ``Problem.edge``, one table per (shape, itemsize, anchored), set on first use
     costs: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+    weight: float = 1.0  # how many values of the full problem this one stands for (``quotient``)
 
 
 @dataclasses.dataclass
@@ -144,7 +146,7 @@ class Problem:
             if v.anchored and any(m.collective for m in path):
                 cost += ANCHOR_BYTES
             hit = table[(src, dst)] = cost
-        return hit
+        return hit * v.weight
 
 
 def _flops(eqn) -> float:
@@ -235,7 +237,7 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
                 w = work.get(id(cands))
                 if w is None or w[0] is not cands:
                     w = work[id(cands)] = (cands, _work(eqn, cands, hier))
-                nodes.append(Node(eqn, list(cands), operands, outputs, w[1].copy()))
+                nodes.append(Node(eqn, list(cands), operands, outputs, w[1].copy(), kind=id(cands)))
             else:
                 shared = st.kind in ("annotate", "prim")  # boxed via the conversion cache
                 for v, lay in zip(st.eqn.invars, st.in_layouts):
@@ -718,7 +720,7 @@ class _Pairwise:
 def _matrix(prob, val, src, dst) -> np.ndarray:
     """Edge costs between candidate lists by their layouts (each distinct pair costed once)."""
     su, du = tuple(dict.fromkeys(src)), tuple(dict.fromkeys(dst))
-    key = (val.shape, val.itemsize, val.anchored, su, du)
+    key = (val.shape, val.itemsize, val.anchored, val.weight, su, du)
     small = prob._cost_cache.get(key)
     if small is None:
         small = prob._cost_cache[key] = np.array([[prob.edge(val, a, b) for b in du] for a in su])
@@ -741,6 +743,123 @@ def _icm(unary, adj, core, label, sweeps: int = 20):
                 changed = True
         if not changed:
             break
+
+
+# -------------------------------------------------------------------------------------------
+# repeated layers: one node per role
+# -------------------------------------------------------------------------------------------
+
+ROLE_ROUNDS = 3
+"""Rounds of colour refinement behind ``roles``: two equations share a role when they look alike
+this many producer / reader steps around them (the same block of an unrolled model, away from
+its first and last copies)."""
+
+QUOTIENT_MAX_FRACTION = 0.5
+"""``solve`` solves the problem of roles (``quotient``) when it has at most this fraction of the
+nodes: a model with repeated layers."""
+
+
+def roles(prob: Problem, rounds: int = ROLE_ROUNDS) -> list[int]:
+    """A role per node (colour refinement, as in the Weisfeiler-Lehman test): nodes start
+    coloured by their candidate list and the fixed layouts they read; each round a node's colour
+    is refined by its producers' colours and its readers' (with operand / result positions). The
+    copies of a repeated block get one colour per node, but for those within ``rounds`` steps of
+    something different (the first and last copies)."""
+    nodes, values = prob.nodes, prob.values
+
+    def fixed(k):
+        val = values[k]
+        return (val.nd, val.shape, val.itemsize, val.anchored, tuple(val.own), tuple(sorted(map(repr, val.shared))))
+
+    intern: dict = {}
+    colour = []
+    for n in nodes:
+        ops = tuple(None if k is None else ("in", values[k].producer is None and fixed(k)) for k in n.operands)
+        outs = tuple(None if k is None else (tuple(values[k].own), len(values[k].shared)) for k in n.outputs)
+        colour.append(intern.setdefault((n.kind, ops, outs), len(intern)))
+    for _ in range(rounds):
+        intern = {}
+        new = []
+        for n, c in zip(nodes, colour):
+            ins = tuple(
+                None if k is None or values[k].producer is None else (colour[values[k].producer[0]], values[k].producer[1])
+                for k in n.operands
+            )
+            outs = tuple(
+                None if k is None else tuple(sorted((colour[f], i) for f, i in values[k].uses)) for k in n.outputs
+            )
+            new.append(intern.setdefault((c, ins, outs), len(intern)))
+        done = len(intern) == len(set(colour))
+        colour = new
+        if done:
+            break
+    return colour
+
+
+def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[int]]:
+    """The problem of roles: one node per role (its candidates, the members' compute costs
+    summed) and one value per role of value: the values its members make at one result position
+    (their number is its ``Value.weight``), or the fixed values (parameters) of one shape and
+    layout read at the same positions of the same roles. A value of roles is read wherever any
+    of its members is (so one block's input, the previous block's output, is a node's own
+    result in the problem of roles); a node reads, at each position, what most of its members
+    read there. Returns the problem, every node's role index and every role's middle member.
+
+    Copied to its members, a choice per role is a choice for ``prob`` (``objective`` costs it
+    exactly); the problem of roles is near it, not equal (the first and last copies of a block
+    read and feed other roles), so its answers are proposals."""
+    index: dict = {}
+    members: list[list[int]] = []
+    of = []
+    for u, c in enumerate(role):
+        r = index.get(c)
+        if r is None:
+            r = index[c] = len(members)
+            members.append([])
+        members[r].append(u)
+        of.append(r)
+    nodes, values = prob.nodes, prob.values
+
+    def role_of_value(k, val):
+        if val.producer is None:
+            return ("fixed", val.nd, val.shape, val.itemsize, val.anchored, tuple(val.own),
+                    frozenset(val.shared), frozenset((of[f], i) for f, i in val.uses))
+        return ("made", of[val.producer[0]], val.producer[1])
+
+    qvalues: dict = {}
+    vrole: dict = {}
+    for k, val in values.items():
+        if val.producer is None and not val.uses:
+            continue
+        qk = vrole[k] = role_of_value(k, val)
+        qv = qvalues.get(qk)
+        if qv is None:
+            qv = qvalues[qk] = dataclasses.replace(
+                val, producer=None if val.producer is None else (of[val.producer[0]], val.producer[1]),
+                uses=set(), shared=set(val.shared), own=list(val.own), weight=0.0, costs=val.costs)
+        qv.weight += 1.0
+        qv.uses.update((of[f], i) for f, i in val.uses)
+    for qv in qvalues.values():
+        qv.uses = sorted(qv.uses)
+    qnodes = []
+    for r, ms in enumerate(members):
+        n = nodes[ms[len(ms) // 2]]
+        cost = np.sum([nodes[u].cost for u in ms], axis=0)
+        operands = []
+        for i, k in enumerate(n.operands):
+            if k is None:
+                operands.append(None)
+                continue
+            counts: dict = {}
+            for u in ms:
+                kk = nodes[u].operands[i]
+                qk = vrole[kk]
+                counts[qk] = counts.get(qk, 0) + 1
+            operands.append(max(counts, key=counts.get))
+        outputs = [None if k is None else ("made", r, j) for j, k in enumerate(n.outputs)]
+        qnodes.append(Node(n.eqn, n.cands, operands, outputs, cost, kind=n.kind))
+    rep = [ms[len(ms) // 2] for ms in members]
+    return Problem(prob.hierarchy, qnodes, qvalues, prob._cost_cache), of, rep
 
 
 # -------------------------------------------------------------------------------------------
@@ -800,9 +919,37 @@ ROUNDS = 2
 
 
 def solve(prob: Problem, start: list[int]) -> list[int]:
-    """The best choice found: exact (``solve_ilp``) when the problem is small, then polished by
-    ``descend``; the start when nothing beats it."""
-    best = descend(prob, start)
+    """The best choice found (by ``objective``; the start when nothing beats it). Proposals: the
+    problem itself, solved directly (``_solve_direct``); and, for a program with repeated layers
+    too large for the exact solver, its problem of roles (``roles``, ``quotient``: each repeated
+    block once, small enough for the exact solver again), the answer copied to every copy."""
+    best, best_obj = start, objective(prob, start)
+    proposals = []
+    # only where the exact solver cannot take the whole problem
+    role = roles(prob) if sum(len(n.cands) for n in prob.nodes) > ILP_MAX_VARS else ()
+    if role and len(set(role)) <= QUOTIENT_MAX_FRACTION * len(prob.nodes):
+        q, of, rep = quotient(prob, role)
+        got = _solve_direct(q, [start[u] for u in rep])
+        proposals.append([got[r] for r in of])
+    proposals.append(_solve_direct(prob, start))
+    for sol in proposals:
+        obj = objective(prob, sol)
+        if obj < best_obj - 1e-6:
+            best, best_obj = sol, obj
+    return best
+
+
+DESCEND_MAX_NODES = 4000
+"""``_solve_direct`` polishes with ``descend`` up to this many nodes; beyond, graph reduction alone
+(on deep models it found the better plans, and descent costs a second a pass there)."""
+
+
+def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
+    """Exact (``solve_ilp``) when the problem is small, graph reduction (``_Pairwise``) at any
+    size, descent (``descend``) from the start and polishing each answer up to
+    ``DESCEND_MAX_NODES``; the start when nothing beats it."""
+    polish = len(prob.nodes) <= DESCEND_MAX_NODES
+    best = descend(prob, start) if polish else start
     best_obj = objective(prob, best)
     tries = [lambda: _Pairwise(prob).solve(start)]
     if prob.nodes and sum(len(n.cands) for n in prob.nodes) <= ILP_MAX_VARS:
@@ -811,7 +958,7 @@ def solve(prob: Problem, start: list[int]) -> list[int]:
         got = make()
         if got is None:
             continue
-        for sol in (got, descend(prob, got)):  # (``descend`` does not see hubs: keep both)
+        for sol in (got, descend(prob, got)) if polish else (got,):  # (``descend`` does not see hubs: keep both)
             obj = objective(prob, sol)
             if obj < best_obj - 1e-6:
                 best, best_obj = sol, obj

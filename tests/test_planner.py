@@ -161,3 +161,48 @@ def test_global_plan_of_the_benchmark_gpt_step(monkeypatch):
     recorded = json.loads(RECORDED.read_text())["gpt DPxTP"]["cost"]
     assert C.program_cost(entry.program) <= recorded
     assert sum(jsbp.debug.count_collectives(f, *case.jsbp_args()).values()) <= 29
+
+
+def _benchmark_gpt(monkeypatch, strategy, layers):
+    """benchmarks/compiler.py's un-hinted GPT train step with ``layers`` blocks (a Python loop:
+    one flat program), as captured for ``infer``."""
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    import compiler as bc
+
+    sys.modules.pop("planner", None)
+    strat = [s for s in bc.strategies() if s.name.startswith(strategy)][0]
+    case = bc.Case(strat, (256, 64, 8, layers, 16, 32))
+    return _captured(case.jsbp_fn(), case.jsbp_args(), monkeypatch)
+
+
+def test_repeated_layers_are_solved_once(monkeypatch):
+    """An unrolled model's blocks share roles (``roles``: as many for 6 blocks as for 4), and the
+    problem of roles (``quotient``) is small enough for the exact solver where the whole problem
+    is not: the un-hinted 4-block TP GPT step plans cheaper than when every node is solved
+    directly, and cheaper than the search."""
+    captured = {n: _benchmark_gpt(monkeypatch, "TP", n) for n in (4, 6)}
+    n_roles = {}
+    for n, (placement, jaxpr, consts, lays, out_nd) in captured.items():
+        inf = C._Inference(placement, None, {}, frozenset(jaxpr.invars))
+        prob = G.build(inf, inf.program(jaxpr, consts, lays, out_nd), jaxpr, out_nd)
+        n_roles[n] = len(set(G.roles(prob)))
+        assert n_roles[n] <= G.QUOTIENT_MAX_FRACTION * len(prob.nodes)
+        # one node per role, with its members' candidates; small enough for the exact solver
+        q, of, _ = G.quotient(prob, G.roles(prob))
+        assert len(q.nodes) == n_roles[n] and len(of) == len(prob.nodes)
+        assert all(q.nodes[r].cands == prob.nodes[u].cands for u, r in enumerate(of))
+        assert sum(len(n_.cands) for n_ in prob.nodes) > G.ILP_MAX_VARS >= sum(len(n_.cands) for n_ in q.nodes)
+    assert n_roles[6] == n_roles[4], n_roles
+
+    placement, jaxpr, consts, lays, out_nd = captured[4]
+    search = C.program_cost(C._search(placement, jaxpr, consts, lays, out_nd))
+    monkeypatch.setenv("JSBP_PLANNER", "global")
+    by_roles = C.program_cost(C.infer(placement, jaxpr, consts, lays, out_nd))
+    monkeypatch.setattr(G, "QUOTIENT_MAX_FRACTION", 0.0)  # every node solved directly
+    direct = C.program_cost(C.infer(placement, jaxpr, consts, lays, out_nd))
+    assert by_roles < 0.75 * direct and by_roles < 0.75 * search, (by_roles, direct, search)
