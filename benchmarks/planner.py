@@ -20,8 +20,9 @@ a 1 MiB latency per collective, the boxing planner's model) and the planning tim
   (``tests/test_model_zoo.py::make_strategy``);
 * **tests**: ``tests/test_compiler.py``'s search cases (matmuls, transformer steps).
 
-The timing rows plan a GPT train step with 1, 4, 16 and 24 blocks on a (2, 4) placement, cold
-(jsbp's memo caches emptied first): ``infer`` alone, tracing excluded.
+The timing rows plan the un-hinted GPT train step with 1, 4, 16 and 24 blocks under DPxTP on a
+(2, 4) placement and TP on (8,), cold (jsbp's memo caches emptied first): ``infer`` alone,
+tracing excluded.
 """
 
 from __future__ import annotations
@@ -190,11 +191,12 @@ def measure(make) -> dict:
     return row
 
 
-def planning_times(layers_list=(1, 4, 16, 24), reps=1) -> list[dict]:
-    """Cold ``infer`` time of the un-hinted DPxTP GPT step with this many blocks, per planner."""
+def planning_times(layers_list=(1, 4, 16, 24), reps=1, strategy="DPxTP") -> list[dict]:
+    """Cold ``infer`` time of the un-hinted GPT step under ``strategy`` (DP, TP or DPxTP of
+    ``benchmarks/compiler.py``) with this many blocks, per planner."""
     import compiler as bc
 
-    strat = [s for s in bc.strategies() if s.name.startswith("DPxTP")][0]
+    strat = [s for s in bc.strategies() if s.name.startswith(strategy)][0]
     rows = []
     for layers in layers_list:
         case = bc.Case(strat, (256, 64, 8, layers, 16, 32))
@@ -202,7 +204,7 @@ def planning_times(layers_list=(1, 4, 16, 24), reps=1) -> list[dict]:
         with _Capture() as cap:
             case.jsbp_fn().lower_program(*case.jsbp_args())
         a, k, _, _ = cap.calls[0]
-        row = {"layers": layers, "eqns": len(_compiler._dce(a[1]).eqns)}
+        row = {"strategy": strategy, "layers": layers, "eqns": len(_compiler._dce(a[1]).eqns)}
         for planner in PLANNERS:
             set_planner(planner)
             best = None
@@ -243,11 +245,12 @@ def cost_table(results: dict) -> str:
 
 
 def time_table(rows) -> str:
-    lines = ["| blocks | equations | search plan (s) | global plan (s) | search cost (MB-eq) | global cost (MB-eq) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| step | blocks | equations | search plan (s) | global plan (s) | search cost (MB-eq) | "
+             "global cost (MB-eq) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['layers']} | {r['eqns']} | {r['search']['plan_s']:.2f} | {r['global']['plan_s']:.2f} | "
+            f"| {r['strategy']} | {r['layers']} | {r['eqns']} | {r['search']['plan_s']:.2f} | {r['global']['plan_s']:.2f} | "
             f"{r['search']['cost'] / 1e6:.2f} | {r['global']['cost'] / 1e6:.2f} |"
         )
     return "\n".join(lines)
@@ -259,6 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timing-only", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--layers", default="1,4,16,24", help="blocks of the timing rows")
+    ap.add_argument("--timing-steps", default="DPxTP,TP", help="un-hinted GPT steps of the timing rows")
     ap.add_argument("--record", default="", help="merge the search planner's costs of the programs into this JSON file")
     ap.add_argument("--json", default="", help="write all results here (JSON)")
     args = ap.parse_args(argv)
@@ -275,7 +279,8 @@ def main(argv=None) -> int:
                       file=sys.stderr, flush=True)
         print(cost_table(results))
     if not args.no_timing:
-        rows = planning_times(tuple(int(x) for x in args.layers.split(",")))
+        rows = [r for st in args.timing_steps.split(",")
+                for r in planning_times(tuple(int(x) for x in args.layers.split(",")), strategy=st)]
         print()
         print(time_table(rows))
     if args.record:  # merged into what the file already holds
