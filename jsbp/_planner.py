@@ -922,15 +922,18 @@ def solve(prob: Problem, start: list[int]) -> list[int]:
     """The best choice found (by ``objective``; the start when nothing beats it). Proposals: the
     problem itself, solved directly (``_solve_direct``); and, for a program with repeated layers
     too large for the exact solver, its problem of roles (``roles``, ``quotient``: each repeated
-    block once, small enough for the exact solver again), the answer copied to every copy."""
+    block once) where that is small enough for the exact solver, the answer copied to every copy
+    (solved by graph reduction only, it lost to the whole problem's reduction: the DPxTP GPT
+    step's roles have 20 864 candidates)."""
     best, best_obj = start, objective(prob, start)
     proposals = []
     # only where the exact solver cannot take the whole problem
     role = roles(prob) if sum(len(n.cands) for n in prob.nodes) > ILP_MAX_VARS else ()
     if role and len(set(role)) <= QUOTIENT_MAX_FRACTION * len(prob.nodes):
         q, of, rep = quotient(prob, role)
-        got = _solve_direct(q, [start[u] for u in rep])
-        proposals.append([got[r] for r in of])
+        if sum(len(n.cands) for n in q.nodes) <= ILP_MAX_VARS:  # else no better than the whole
+            got = _solve_direct(q, [start[u] for u in rep])
+            proposals.append([got[r] for r in of])
     proposals.append(_solve_direct(prob, start))
     for sol in proposals:
         obj = objective(prob, sol)
