@@ -47,6 +47,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument(
+        "--program", action="store_true",
+        help="also time jsbp's compiled program alone (same inputs, no pytree handling) in the same "
+        "interleaving: what the step costs without jsbp's per-call Python work",
+    )
     args = ap.parse_args(argv)
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -97,14 +102,21 @@ def table(results) -> str:
         "GSPMD first call (ms) | first-call ratio | jsbp collectives / step | "
         "GSPMD collectives / step | uneven leaves |"
     )
-    lines = [head, "|" + "---|" * 11]
+    program = any(r.get("program_ms") for r in results)
+    if program:
+        head += " jsbp program alone (ms) | program / GSPMD |"
+    lines = [head, "|" + "---|" * (13 if program else 11)]
     for r in results:
-        lines.append(
+        line = (
             f"| {r['model']} | {r['layout']} | {r['jsbp_ms']:.2f} | {r['gspmd_ms']:.2f} | "
             f"{r['ratio']:.2f} | {r['jsbp_first_ms']:.0f} | {r['gspmd_first_ms']:.0f} | "
             f"{r['first_ratio']:.2f} | {fmt_coll(r['jsbp_coll'])} | {fmt_coll(r['gspmd_coll'])} | "
             f"{r['uneven']} |"
         )
+        if program:
+            pm = r.get("program_ms")
+            line += f" {pm:.2f} | {pm / r['gspmd_ms']:.2f} |" if pm else " - | - |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -170,9 +182,18 @@ def bench_one(name, layout, args):
     jax.block_until_ready(gloss)
     gspmd_first = (time.perf_counter() - t) * 1e3
 
-    (jsbp_ms, gspmd_ms), (state, gstate) = _interleaved_medians(
-        [run_jsbp, gfn], [state, gstate], [batch, gbatch], args.steps, args.warmup
-    )
+    fns, states, batches = [run_jsbp, gfn], [state, gstate], [batch, gbatch]
+    if getattr(args, "program", False):
+        entry, phys = fn._lookup((state, batch))
+
+        def run_program(phys, _):
+            outs = entry.fn(*phys)
+            return phys, outs[-1]  # the loss is the last output leaf
+
+        fns, states, batches = fns + [run_program], states + [phys], batches + [None]
+    medians, states = _interleaved_medians(fns, states, batches, args.steps, args.warmup)
+    (jsbp_ms, gspmd_ms), (state, gstate) = medians[:2], states[:2]
+    program_ms = medians[2] if len(medians) > 2 else None
     jsbp_coll = count_collectives(fn, state, batch)
     gspmd_coll = collectives_in_hlo(gfn.lower(gstate, gbatch).compile().as_text())
     return {
@@ -188,6 +209,7 @@ def bench_one(name, layout, args):
         "gspmd_coll": gspmd_coll,
         "uneven": uneven,
         "load": os.getloadavg()[0],
+        "program_ms": program_ms,
     }
 
 
