@@ -68,6 +68,7 @@ def test_models_benchmark_one_case_prints_its_table():
             "2",
             "--warmup",
             "1",
+            "--program",
         ],
         cwd=ROOT,
         env=env,
@@ -78,6 +79,8 @@ def test_models_benchmark_one_case_prints_its_table():
     assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{res.stderr[-4000:]}"
     rows = [line for line in res.stdout.splitlines() if line.startswith("| cnn | dp8 |")]
     assert len(rows) == 1, res.stdout
+    cells = rows[0].strip("|").split("|")
+    assert len(cells) == 13 and float(cells[11]) > 0, rows[0]  # the program timed alone too
 
 
 @pytest.mark.slow
