@@ -14,8 +14,9 @@ it and counts each combined collective once, as the compiled program has it; the
 
 A boxing joins a group when it is a single even reduce-scatter or all-gather of a value with no
 other conversion to that layout, on an op that only passes its operand on: a ``to_global``
-annotation (how ``jsbp.flax`` pins gradient and parameter layouts) or a ``transpose`` (a weight
-gradient, reduced before its transpose). Those ops are replayed on the combined result.
+annotation (how ``jsbp.flax`` pins gradient and parameter layouts), a ``transpose`` (a weight
+gradient, reduced before its transpose) or a ``reshape`` / ``squeeze`` (a bias gradient, reduced
+before it gets the parameter's shape). Those ops are replayed on the combined result.
 """
 
 from __future__ import annotations
@@ -37,11 +38,16 @@ COMBINE_BUCKET_BYTES = 32 << 20
 _KINDS = ("reduce-scatter", "all-gather")
 
 
+_PASS_ON = frozenset({"transpose", "reshape", "squeeze"})
+"""Primitives that only rearrange their operand's elements (a weight gradient reduced before its
+transpose; a bias gradient reduced before the reshape that gives it the parameter's shape)."""
+
+
 def passes_on(st) -> bool:
     """An op that only hands its single operand on (replayable on a deferred value)."""
     if len(st.eqn.invars) != 1:
         return False
-    return st.kind == "annotate" or (st.kind == "prim" and st.eqn.primitive.name == "transpose")
+    return st.kind == "annotate" or (st.kind == "prim" and st.eqn.primitive.name in _PASS_ON)
 
 
 def _group_key(bx, v):
