@@ -92,7 +92,7 @@ def train_reference(make, loss_fn, batches, tx):
         optimizer.update(model, grads)
         return loss
 
-    losses = [float(train_step(model, optimizer, jnp.asarray(b))) for b in batches]
+    losses = [float(train_step(model, optimizer, jax.tree.map(jnp.asarray, b))) for b in batches]
     return losses, model, optimizer
 
 
@@ -284,3 +284,195 @@ def test_optax_multisteps(layout):
     got, ref = check(make_tied, lm_loss, batches, tx, layout)
     assert int(np.asarray(got[2].opt_state.mini_step.get_value())) == 0
     assert int(np.asarray(got[2].opt_state.gradient_step.get_value())) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. nnx.remat / nnx.jit around submodule calls inside the model
+# ------------------------------------------------------------------------------------------------
+
+
+class RematLM(nnx.Module):
+    """Flax's activation checkpointing idiom: each block's call under ``nnx.remat``; the head
+    under ``nnx.jit`` (a jitted submodule call inside the model)."""
+
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(VOCAB, D, embedding_init=part(normal, "vocab", "embed"), rngs=rngs)
+        self.blocks = nnx.List([MLPBlock(rngs=rngs) for _ in range(2)])
+        self.head = nnx.Linear(D, VOCAB, kernel_init=part(normal, "embed", "vocab"), rngs=rngs)
+
+    def __call__(self, tokens):
+        x = jflax.constrain(self.embed(tokens), ACT)
+        for blk in self.blocks:
+            x = nnx.remat(lambda b, h: b(h))(blk, x)
+        return nnx.jit(lambda m, h: m(h))(self.head, x)
+
+
+class RematMethodLM(nnx.Module):
+    """``nnx.remat`` as a decorator on a module's method (``prevent_cse``, a static policy)."""
+
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(VOCAB, D, embedding_init=part(normal, "vocab", "embed"), rngs=rngs)
+        self.block = MLPBlock(rngs=rngs)
+        self.head = nnx.Linear(D, VOCAB, kernel_init=part(normal, "embed", "vocab"), rngs=rngs)
+
+    @nnx.remat(policy=jax.checkpoint_policies.nothing_saveable)
+    def body(self, x):
+        return self.block(x)
+
+    def __call__(self, tokens):
+        return self.head(self.body(jflax.constrain(self.embed(tokens), ACT)))
+
+
+def _eager(cls):
+    def make(rngs):
+        with nnx.use_eager_sharding(False):
+            return cls(rngs=rngs)
+
+    return make
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_remat_and_jit_inside_the_model(layout):
+    batches = [tokens(i) for i in range(STEPS)]
+    check(_eager(RematLM), lm_loss, batches, lambda: optax.adam(1e-2), layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_remat_decorated_method(layout):
+    batches = [tokens(i) for i in range(STEPS)]
+    check(_eager(RematMethodLM), lm_loss, batches, lambda: optax.adam(1e-2), layout)
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. LayerNorm / GroupNorm, strided SAME convolutions, max / avg pooling
+# ------------------------------------------------------------------------------------------------
+
+IMG, CH, CLASSES = 8, 8, 10
+lecun = nnx.initializers.lecun_normal()
+
+
+class ConvNet(nnx.Module):
+    def __init__(self, *, rngs):
+        self.conv1 = nnx.Conv(3, CH, kernel_size=(3, 3), padding="SAME",
+                              kernel_init=part(lecun, None, None, None, "conv"),
+                              bias_init=part(nnx.initializers.zeros_init(), "conv"), rngs=rngs)
+        self.gn = nnx.GroupNorm(CH, num_groups=4, rngs=rngs)
+        self.conv2 = nnx.Conv(CH, CH, kernel_size=(3, 3), strides=(2, 2), padding="SAME",
+                              kernel_init=part(lecun, None, None, "conv", None), rngs=rngs)
+        self.ln = nnx.LayerNorm(CH, rngs=rngs)
+        self.conv3 = nnx.Conv(CH, CH, kernel_size=(3, 3), strides=2, padding="SAME", rngs=rngs)
+        self.fc = nnx.Linear(CH, CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.gn(self.conv1(x)))          # GroupNorm over (possibly split) channels
+        x = nnx.max_pool(x, window_shape=(2, 2), strides=(1, 1), padding="SAME")
+        x = jflax.constrain(self.conv2(x), ("batch", None, None, None))
+        x = nnx.relu(self.ln(x))
+        x = nnx.relu(self.conv3(x))
+        x = nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        return self.fc(x.reshape(x.shape[0], -1))
+
+
+def images(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(BATCH, IMG, IMG, 3)).astype(np.float32)
+    y = rng.integers(0, CLASSES, size=(BATCH,)).astype(np.int32)
+    return x, y
+
+
+def cls_loss(model, batch):
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_norms_strided_same_convs_and_pooling(layout):
+    batches = [images(i) for i in range(STEPS)]
+    check(_eager(ConvNet), cls_loss, batches, lambda: optax.adam(1e-2), layout)
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. KV-cache decoding: nnx.MultiHeadAttention(decode=True) + init_cache under jsbp.jit
+# ------------------------------------------------------------------------------------------------
+
+
+class DecodeLM(nnx.Module):
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(VOCAB, D, embedding_init=part(normal, "vocab", "embed"), rngs=rngs)
+        self.pos = nnx.Embed(SEQ, D, embedding_init=normal, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs=rngs) for _ in range(2)])
+        self.ln = nnx.LayerNorm(D, rngs=rngs)
+        self.head = nnx.Linear(D, VOCAB, kernel_init=part(normal, "embed", "vocab"), rngs=rngs)
+
+    def __call__(self, tokens, positions, decode=False):
+        x = jflax.constrain(self.embed(tokens) + self.pos(positions)[None], ACT)
+        mask = None if decode else nnx.make_causal_mask(tokens)
+        for blk in self.blocks:
+            h = jflax.constrain(blk.ln1(x), ACT)
+            x = x + jflax.constrain(blk.attn(h, mask=mask, decode=decode), ACT)
+            x = blk.mlp(x)
+        return self.head(jflax.constrain(self.ln(x), ACT))
+
+
+def _decode_model():
+    with nnx.use_eager_sharding(False):
+        model = DecodeLM(rngs=nnx.Rngs(0))
+    for blk in model.blocks:
+        blk.attn.init_cache((BATCH, SEQ, D))
+    return model
+
+
+CACHE_RULES = {  # the cache's (batch, length, heads, head_dim) follows the batch and the heads
+    "dp8": [(r"cached_(key|value)$", ("S(0)",))],
+    "dp2tp4": [(r"cached_(key|value)$", ("S(0)", "S(2)"))],
+}
+
+
+@pytest.mark.parametrize("cache_split", [False, True], ids=["cache_B", "cache_split"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kv_cache_decode_loop(layout, cache_split):
+    toks = tokens(0)[:, :SEQ]
+    # one device: the full causal forward, and Flax's own cached decode loop
+    ref_model = _decode_model()
+    full = np.asarray(ref_model(jnp.asarray(toks), jnp.arange(SEQ)))
+    gdef, state = nnx.split(ref_model)
+
+    @jax.jit
+    def ref_step(state, tok, i):
+        m = nnx.merge(gdef, state)
+        return m(tok, i[None], decode=True), nnx.state(m)
+
+    ref_steps = []
+    for i in range(SEQ):
+        logits, state = ref_step(state, jnp.asarray(toks[:, i : i + 1]), jnp.int32(i))
+        ref_steps.append(np.asarray(logits[:, 0]))
+    np.testing.assert_allclose(np.stack(ref_steps, 1), full, rtol=1e-5, atol=1e-5)
+
+    # the placement: the same loop, the cache carried as global state
+    plc = placement(layout)
+    logical = dict(strategy(layout).logical_axes)
+    strat = jflax.Strategy(plc, logical_axes=logical,
+                           param_sbp=CACHE_RULES[layout] if cache_split else ())
+    model = jflax.shard(_decode_model(), strat)
+    if cache_split:
+        lay = jflax.layouts(model)
+        want = "(" + ", ".join(CACHE_RULES[layout][0][1]) + ")"
+        assert all(v == want for k, v in lay.items() if "cached_" in k), lay
+    gdef, state = nnx.split(model)
+
+    @jsbp.jit
+    def step(state, tok, i):
+        m = nnx.merge(gdef, state)
+        return m(tok, i[None], decode=True), nnx.state(m)
+
+    got = []
+    with jflax.use_strategy(strat):
+        for i in range(SEQ):
+            tok = jsbp.tensor(toks[:, i : i + 1], placement=plc, sbp=strat.batch_sbp(2))
+            pos = jsbp.tensor(np.int32(i), placement=plc, sbp=("B",) * plc.ndim)
+            logits, state = step(state, tok, pos)
+            got.append(np.asarray(logits.numpy()[:, 0]))
+    np.testing.assert_allclose(np.stack(got, 1), full, rtol=1e-5, atol=1e-5)
+    nnx.update(model, state)
+    idx = [np.asarray(jflax.gather(b.attn).cache_index.get_value()) for b in model.blocks]
+    assert all(int(i) == SEQ for i in idx), idx
