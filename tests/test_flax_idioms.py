@@ -347,30 +347,36 @@ def test_remat_decorated_method(layout):
 # 6. LayerNorm / GroupNorm, strided SAME convolutions, max / avg pooling
 # ------------------------------------------------------------------------------------------------
 
-IMG, CH, CLASSES = 8, 8, 10
+IMG, CH, CLASSES = 8, 12, 10
 lecun = nnx.initializers.lecun_normal()
 
 
 class ConvNet(nnx.Module):
+    """Under tp the channels of conv1 / the depthwise conv are split 4 ways (3 per device) while
+    GroupNorm's groups hold 4 channels each: groups straddle devices."""
+
     def __init__(self, *, rngs):
         self.conv1 = nnx.Conv(3, CH, kernel_size=(3, 3), padding="SAME",
                               kernel_init=part(lecun, None, None, None, "conv"),
                               bias_init=part(nnx.initializers.zeros_init(), "conv"), rngs=rngs)
-        self.gn = nnx.GroupNorm(CH, num_groups=4, rngs=rngs)
+        self.gn = nnx.GroupNorm(CH, num_groups=3, rngs=rngs)
+        self.dw = nnx.Conv(CH, CH, kernel_size=(3, 3), strides=2, padding="SAME",
+                           feature_group_count=CH,  # depthwise
+                           kernel_init=part(lecun, None, None, None, "conv"), rngs=rngs)
         self.conv2 = nnx.Conv(CH, CH, kernel_size=(3, 3), strides=(2, 2), padding="SAME",
                               kernel_init=part(lecun, None, None, "conv", None), rngs=rngs)
         self.ln = nnx.LayerNorm(CH, rngs=rngs)
-        self.conv3 = nnx.Conv(CH, CH, kernel_size=(3, 3), strides=2, padding="SAME", rngs=rngs)
-        self.fc = nnx.Linear(CH, CLASSES, rngs=rngs)
+        self.up = nnx.ConvTranspose(CH, 6, kernel_size=(2, 2), strides=(2, 2), rngs=rngs)
+        self.fc = nnx.Linear(6, CLASSES, rngs=rngs)
 
     def __call__(self, x):
-        x = nnx.relu(self.gn(self.conv1(x)))          # GroupNorm over (possibly split) channels
+        x = nnx.relu(self.gn(self.conv1(x)))
         x = nnx.max_pool(x, window_shape=(2, 2), strides=(1, 1), padding="SAME")
+        x = nnx.relu(self.dw(x))
         x = jflax.constrain(self.conv2(x), ("batch", None, None, None))
         x = nnx.relu(self.ln(x))
-        x = nnx.relu(self.conv3(x))
-        x = nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
-        return self.fc(x.reshape(x.shape[0], -1))
+        x = nnx.avg_pool(self.up(x), window_shape=(2, 2), strides=(2, 2))
+        return self.fc(x.mean(axis=(1, 2)))
 
 
 def images(seed):
@@ -386,7 +392,7 @@ def cls_loss(model, batch):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_norms_strided_same_convs_and_pooling(layout):
+def test_norms_strided_same_depthwise_transposed_convs_and_pooling(layout):
     batches = [images(i) for i in range(STEPS)]
     check(_eager(ConvNet), cls_loss, batches, lambda: optax.adam(1e-2), layout)
 
