@@ -10,6 +10,8 @@ convolutions / pooling, and a KV-cache decode loop.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import optax
 import pytest
@@ -482,3 +484,37 @@ def test_kv_cache_decode_loop(layout, cache_split):
     nnx.update(model, state)
     idx = [np.asarray(jflax.gather(b.attn).cache_index.get_value()) for b in model.blocks]
     assert all(int(i) == SEQ for i in idx), idx
+
+
+# ------------------------------------------------------------------------------------------------
+# nnx.cond reusing the model's own layers, AdamW with a weight-decay mask
+# ------------------------------------------------------------------------------------------------
+
+
+class CondLM(nnx.Module):
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(VOCAB, D, embedding_init=part(normal, "vocab", "embed"), rngs=rngs)
+        self.fc = nnx.Linear(D, HIDDEN, kernel_init=part(normal, "embed", "mlp"), rngs=rngs)
+        self.proj = nnx.Linear(HIDDEN, D, kernel_init=part(normal, "mlp", "embed"), rngs=rngs)
+
+    def mlp(self, x):
+        return jflax.constrain(self.proj(nnx.relu(self.fc(x))), ACT)
+
+    def __call__(self, tokens):
+        x = jflax.constrain(self.embed(tokens), ACT)
+        x = x + self.mlp(x)
+        # a data-dependent branch that applies the same layers again (shared weights)
+        x = nnx.cond(jnp.mean(x) > 0, lambda m, h: h + m.mlp(h), lambda m, h: 2.0 * h, self, x)
+        return self.embed.attend(x)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cond_with_shared_layers_and_masked_weight_decay(layout):
+    batches = [tokens(i) for i in range(STEPS)]
+    tx = lambda: optax.adamw(  # noqa: E731
+        1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+    )
+    with warnings.catch_warnings():
+        # the gradient of nnx.cond allocates residuals with lax.empty2: it has a rule
+        warnings.simplefilter("error", jsbp.NoRuleWarning)
+        check(_eager(CondLM), lm_loss, batches, tx, layout)
