@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import warnings
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
-import jax
-import jax.numpy as jnp
 import jsbp
 import jsbp.flax as jflax
 
@@ -117,8 +117,11 @@ def assert_parity(got, ref, init, loss_rtol=LOSS_RTOL, param_rtol=PARAM_RTOL):
         assert pg[k].dtype == v.dtype, (k, pg[k].dtype, v.dtype)
         assert pg[k].shape == v.shape, (k, pg[k].shape, v.shape)
         np.testing.assert_allclose(
-            pg[k].astype(np.float32), v.astype(np.float32), rtol=param_rtol,
-            atol=param_rtol * scale, err_msg=k,
+            pg[k].astype(np.float32),
+            v.astype(np.float32),
+            rtol=param_rtol,
+            atol=param_rtol * scale,
+            err_msg=k,
         )
     # training moved the parameters (a frozen run would pass trivially)
     assert any(float(np.max(np.abs(pr[k] - p0[k]))) > 1e-4 for k in pr)
@@ -139,12 +142,26 @@ def check(make, loss_fn, batches, tx_fn, layout, **tol):
 class MLPBlock(nnx.Module):
     def __init__(self, *, dtype=jnp.float32, rngs):
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.norm = nnx.LayerNorm(D, scale_init=part(nnx.initializers.ones_init(), "embed"),
-                                  bias_init=part(nnx.initializers.zeros_init(), "embed"), **kw)
-        self.up = nnx.Linear(D, HIDDEN, kernel_init=part(normal, "embed", "mlp"),
-                             bias_init=part(nnx.initializers.zeros_init(), "mlp"), **kw)
-        self.down = nnx.Linear(HIDDEN, D, kernel_init=part(normal, "mlp", "embed"),
-                               bias_init=part(nnx.initializers.zeros_init(), "embed"), **kw)
+        self.norm = nnx.LayerNorm(
+            D,
+            scale_init=part(nnx.initializers.ones_init(), "embed"),
+            bias_init=part(nnx.initializers.zeros_init(), "embed"),
+            **kw,
+        )
+        self.up = nnx.Linear(
+            D,
+            HIDDEN,
+            kernel_init=part(normal, "embed", "mlp"),
+            bias_init=part(nnx.initializers.zeros_init(), "mlp"),
+            **kw,
+        )
+        self.down = nnx.Linear(
+            HIDDEN,
+            D,
+            kernel_init=part(normal, "mlp", "embed"),
+            bias_init=part(nnx.initializers.zeros_init(), "embed"),
+            **kw,
+        )
 
     def __call__(self, x):
         h = jflax.constrain(self.norm(x), ACT)
@@ -153,8 +170,14 @@ class MLPBlock(nnx.Module):
 
 class TiedLM(nnx.Module):
     def __init__(self, *, dtype=jnp.float32, rngs):
-        self.embed = nnx.Embed(VOCAB, D, embedding_init=part(normal, "vocab", "embed"),
-                               dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.embed = nnx.Embed(
+            VOCAB,
+            D,
+            embedding_init=part(normal, "vocab", "embed"),
+            dtype=dtype,
+            param_dtype=jnp.float32,
+            rngs=rngs,
+        )
         self.block = MLPBlock(dtype=dtype, rngs=rngs)
         self.norm = nnx.LayerNorm(D, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
@@ -185,12 +208,16 @@ class Block(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.ln1 = nnx.LayerNorm(D, **kw)
         self.attn = nnx.MultiHeadAttention(
-            num_heads=HEADS, in_features=D, qkv_features=D, out_features=D,
+            num_heads=HEADS,
+            in_features=D,
+            qkv_features=D,
+            out_features=D,
             kernel_init=part(normal, "embed", "heads", "kv"),
             out_kernel_init=part(normal, "heads", "kv", "embed"),
             bias_init=part(nnx.initializers.zeros_init(), "heads", "kv"),
             out_bias_init=part(nnx.initializers.zeros_init(), "embed"),
-            decode=decode, **kw,
+            decode=decode,
+            **kw,
         )
         self.mlp = MLPBlock(dtype=dtype, rngs=rngs)
 
@@ -244,8 +271,9 @@ def test_mixed_precision_bf16_compute(layout):
     batches = [tokens(i) for i in range(STEPS)]
     # plain SGD: Adam would amplify the rounding noise of gradients that are zero in exact
     # arithmetic (the key bias's), which bfloat16 makes large
-    got, ref = check(make_bf16, lm_loss, batches, lambda: optax.sgd(0.5), layout,
-                     loss_rtol=2e-2, param_rtol=2e-2)
+    got, ref = check(
+        make_bf16, lm_loss, batches, lambda: optax.sgd(0.5), layout, loss_rtol=2e-2, param_rtol=2e-2
+    )
     # parameters and optimizer state stay float32
     for k, v in params_of(got[1]).items():
         assert v.dtype == np.float32, k
@@ -254,15 +282,18 @@ def test_mixed_precision_bf16_compute(layout):
         assert r.dtype in (np.float32, np.int32, np.uint32), r.dtype
     # the forward computes in bfloat16 on the placement, as on one device
     model = jflax.shard(make_bf16(nnx.Rngs(0)), strategy(layout))
-    x = jsbp.tensor(batches[0][:, :-1], placement=placement(layout),
-                    sbp=strategy(layout).batch_sbp(2))
+    x = jsbp.tensor(
+        batches[0][:, :-1], placement=placement(layout), sbp=strategy(layout).batch_sbp(2)
+    )
     with jflax.use_strategy(strategy(layout)):
         logits = jsbp.jit(lambda m, t: m(t))(model, x)
     ref_logits = make_bf16(nnx.Rngs(0))(jnp.asarray(batches[0][:, :-1]))
     assert logits.dtype == ref_logits.dtype == jnp.bfloat16
     np.testing.assert_allclose(
-        np.asarray(logits.numpy(), np.float32), np.asarray(ref_logits, np.float32),
-        rtol=2e-2, atol=2e-2,
+        np.asarray(logits.numpy(), np.float32),
+        np.asarray(ref_logits, np.float32),
+        rtol=2e-2,
+        atol=2e-2,
     )
 
 
@@ -358,15 +389,35 @@ class ConvNet(nnx.Module):
     GroupNorm's groups hold 4 channels each: groups straddle devices."""
 
     def __init__(self, *, rngs):
-        self.conv1 = nnx.Conv(3, CH, kernel_size=(3, 3), padding="SAME",
-                              kernel_init=part(lecun, None, None, None, "conv"),
-                              bias_init=part(nnx.initializers.zeros_init(), "conv"), rngs=rngs)
+        self.conv1 = nnx.Conv(
+            3,
+            CH,
+            kernel_size=(3, 3),
+            padding="SAME",
+            kernel_init=part(lecun, None, None, None, "conv"),
+            bias_init=part(nnx.initializers.zeros_init(), "conv"),
+            rngs=rngs,
+        )
         self.gn = nnx.GroupNorm(CH, num_groups=3, rngs=rngs)
-        self.dw = nnx.Conv(CH, CH, kernel_size=(3, 3), strides=2, padding="SAME",
-                           feature_group_count=CH,  # depthwise
-                           kernel_init=part(lecun, None, None, None, "conv"), rngs=rngs)
-        self.conv2 = nnx.Conv(CH, CH, kernel_size=(3, 3), strides=(2, 2), padding="SAME",
-                              kernel_init=part(lecun, None, None, "conv", None), rngs=rngs)
+        self.dw = nnx.Conv(
+            CH,
+            CH,
+            kernel_size=(3, 3),
+            strides=2,
+            padding="SAME",
+            feature_group_count=CH,  # depthwise
+            kernel_init=part(lecun, None, None, None, "conv"),
+            rngs=rngs,
+        )
+        self.conv2 = nnx.Conv(
+            CH,
+            CH,
+            kernel_size=(3, 3),
+            strides=(2, 2),
+            padding="SAME",
+            kernel_init=part(lecun, None, None, "conv", None),
+            rngs=rngs,
+        )
         self.ln = nnx.LayerNorm(CH, rngs=rngs)
         self.up = nnx.ConvTranspose(CH, 6, kernel_size=(2, 2), strides=(2, 2), rngs=rngs)
         self.fc = nnx.Linear(6, CLASSES, rngs=rngs)
@@ -459,8 +510,9 @@ def test_kv_cache_decode_loop(layout, cache_split):
     # the placement: the same loop, the cache carried as global state
     plc = placement(layout)
     logical = dict(strategy(layout).logical_axes)
-    strat = jflax.Strategy(plc, logical_axes=logical,
-                           param_sbp=CACHE_RULES[layout] if cache_split else ())
+    strat = jflax.Strategy(
+        plc, logical_axes=logical, param_sbp=CACHE_RULES[layout] if cache_split else ()
+    )
     model = jflax.shard(_decode_model(), strat)
     if cache_split:
         lay = jflax.layouts(model)
