@@ -56,6 +56,15 @@ def strategy(layout, zero=0):
 LAYOUTS = ("dp8", "dp2tp4")
 
 
+def layouts(default: str):
+    """Both layouts; the default run keeps ``default`` only (the other is ``slow``: each case
+    compiles a train step, ~10-30 s on the 2-core CI machine; JSBP_FULL=1 runs every case)."""
+    return [
+        pytest.param(lay, id=lay, marks=() if lay == default else (pytest.mark.slow,))
+        for lay in LAYOUTS
+    ]
+
+
 def tokens(seed, batch=BATCH, seq=SEQ):
     rng = np.random.default_rng(seed)
     start = rng.integers(0, VOCAB, size=(batch, 1))
@@ -192,7 +201,7 @@ def make_tied(rngs):
         return TiedLM(rngs=rngs)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
 def test_tied_embeddings(layout):
     batches = [tokens(i) for i in range(STEPS)]
     check(make_tied, lm_loss, batches, lambda: optax.adam(1e-2), layout)
@@ -251,7 +260,7 @@ def make_transformer(rngs, dtype=jnp.float32):
         return Transformer(dtype=dtype, rngs=rngs)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
 def test_multi_head_attention_causal(layout):
     batches = [tokens(i) for i in range(STEPS)]
     check(make_transformer, lm_loss, batches, lambda: optax.adam(1e-2), layout)
@@ -266,7 +275,7 @@ def make_bf16(rngs):
     return make_transformer(rngs, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
 def test_mixed_precision_bf16_compute(layout):
     batches = [tokens(i) for i in range(STEPS)]
     # plain SGD: Adam would amplify the rounding noise of gradients that are zero in exact
@@ -302,7 +311,7 @@ def test_mixed_precision_bf16_compute(layout):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
 def test_optax_clip_by_global_norm_adamw(layout):
     batches = [tokens(i) for i in range(STEPS)]
     # a clip threshold below the gradient norm, so clipping really happens
@@ -310,7 +319,7 @@ def test_optax_clip_by_global_norm_adamw(layout):
     check(make_tied, lm_loss, batches, tx, layout)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", layouts("dp8"))
 def test_optax_multisteps(layout):
     batches = [tokens(i) for i in range(4)]
     tx = lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)  # noqa: E731
@@ -364,13 +373,13 @@ def _eager(cls):
     return make
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", layouts("dp8"))
 def test_remat_and_jit_inside_the_model(layout):
     batches = [tokens(i) for i in range(STEPS)]
     check(_eager(RematLM), lm_loss, batches, lambda: optax.adam(1e-2), layout)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
 def test_remat_decorated_method(layout):
     batches = [tokens(i) for i in range(STEPS)]
     check(_eager(RematMethodLM), lm_loss, batches, lambda: optax.adam(1e-2), layout)
@@ -444,7 +453,7 @@ def cls_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
 def test_norms_strided_same_depthwise_transposed_convs_and_pooling(layout):
     batches = [images(i) for i in range(STEPS)]
     check(_eager(ConvNet), cls_loss, batches, lambda: optax.adam(1e-2), layout)
@@ -488,7 +497,7 @@ CACHE_RULES = {  # the cache's (batch, length, heads, head_dim) follows the batc
 
 
 @pytest.mark.parametrize("cache_split", [False, True], ids=["cache_B", "cache_split"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
 def test_kv_cache_decode_loop(layout, cache_split):
     toks = tokens(0)[:, :SEQ]
     # one device: the full causal forward, and Flax's own cached decode loop
@@ -560,7 +569,7 @@ class CondLM(nnx.Module):
         return self.embed.attend(x)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", layouts("dp8"))
 def test_cond_with_shared_layers_and_masked_weight_decay(layout):
     batches = [tokens(i) for i in range(STEPS)]
     tx = lambda: optax.adamw(  # noqa: E731
