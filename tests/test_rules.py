@@ -404,6 +404,9 @@ for _name in ("eq_to", "le_to", "lt_to"):
     case(_name, _p.bind, i32(*EVEN), i32(*EVEN))
 case("le_to", lambda a, v: jnp.searchsorted(a, v), f32(6), f32(*UNEVEN))
 case("platform_index", lambda x: lax.platform_dependent(x, cpu=jnp.sin, default=jnp.cos), f32(*UNEVEN))
+_empty2 = __import__("jax._src.lax.lax", fromlist=["x"]).empty2
+_device_space = __import__("jax._src.core", fromlist=["x"]).MemorySpace.Device
+case("empty2", lambda x: x + _empty2(jnp.float32, memory_space=_device_space), f32(*UNEVEN))
 
 # -- fft ------------------------------------------------------------------------------------------
 case("fft", jnp.fft.fft, c64(*UNEVEN))

@@ -1,7 +1,8 @@
 """Elementwise primitives that JAX 0.10 added or that live outside ``lax``'s arithmetic:
 ``complex`` (linear in its two real operands together), the total-order comparisons ``eq_to``,
-``le_to``, ``lt_to`` (from ``jnp.searchsorted`` and sorting) and ``platform_index`` (the selector
-of ``lax.platform_dependent``, which ``jnp.linalg.det`` uses: a scalar, ``B``)."""
+``le_to``, ``lt_to`` (from ``jnp.searchsorted`` and sorting), ``platform_index`` (the selector
+of ``lax.platform_dependent``, which ``jnp.linalg.det`` uses: a scalar, ``B``) and ``empty2`` (an
+uninitialised scalar buffer, ``B``)."""
 
 from __future__ import annotations
 
@@ -23,4 +24,12 @@ def _total_order_compare(ctx):
 
 @register_sbp_rule("platform_index")
 def _platform_index(ctx):
+    yield (), (B,)
+
+
+@register_sbp_rule("empty2")
+def _empty2(ctx):
+    # lax.empty2: an uninitialised scalar (JAX 0.10's scan partial evaluation allocates its
+    # residual buffers with it, e.g. under the gradient of a scan or of nnx.cond); nothing reads
+    # its value before it is overwritten, and a scalar is whole on every device
     yield (), (B,)
