@@ -230,6 +230,66 @@ def test_while_loop_data_dependent_stop(shape):
     sweep(_while_until_small, [x], f"while{shape}")
 
 
+def test_scan_mixed_carry_keeps_the_batch_split():
+    """h0 and xs split on the batch: the step's mean is one all-reduce of a scalar per step; the
+    activation is never gathered."""
+    args = [
+        jsbp.tensor(rng_arr(0, 6, 4), placement=P4, sbp="S(0)"),
+        jsbp.tensor(rng_arr(1, 4, 4), placement=P4, sbp="B"),
+        jsbp.tensor(rng_arr(2, 5, 6, 4), placement=P4, sbp="S(1)"),
+    ]
+    coll = jsbp.debug.count_collectives(jsbp.jit(_rnn), *args)
+    assert coll["all-gather"] == 0 and coll["all-to-all"] == 0, coll
+    h, state, ys = jsbp.jit(_rnn)(*args)
+    assert h.sbp == (jsbp.sbp.split(0),) and ys.sbp == (jsbp.sbp.split(1),)
+
+
+def _loss(w, x, y):
+    return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+
+
+def _grad_accum(w, xs, ys):
+    """Gradient accumulation over micro-batches with scan (the grads of a split batch are P)."""
+    def step(acc, b):
+        l, g = jax.value_and_grad(_loss)(w, *b)
+        return (acc[0] + l, acc[1] + g), l
+
+    (lt, gt), ls = jax.lax.scan(step, (0.0, jnp.zeros_like(w)), (xs, ys))
+    return lt / xs.shape[0], gt / xs.shape[0], ls
+
+
+def _adam_fori(w, x, y):
+    def body(i, st):
+        w, m, v = st
+        g = jax.grad(_loss)(w, x, y)
+        m = 0.9 * m + 0.1 * g
+        v = 0.99 * v + 0.01 * g * g
+        return w - 0.1 * m / (jnp.sqrt(v) + 1e-8), m, v
+
+    return jax.lax.fori_loop(0, 3, body, (w, jnp.zeros_like(w), jnp.zeros_like(w)))
+
+
+def _early_stop(w, x, y):
+    def cond(c):
+        return (c[2] > 0.05) & (c[1] < 20)
+
+    def body(c):
+        w, i, _ = c
+        l, g = jax.value_and_grad(_loss)(w, x, y)
+        return w - 0.5 * g, i + 1, l
+
+    return jax.lax.while_loop(cond, body, (w, 0, 1.0))
+
+
+def test_grad_accumulation_scan():
+    sweep(_grad_accum, [rng_arr(0, 5, 3), rng_arr(1, 3, 7, 5), rng_arr(2, 3, 7, 3)], "accum", k1=2, k2=4)
+
+
+@pytest.mark.parametrize("fn", [_adam_fori, _early_stop], ids=["adam-fori", "early-stop-while"])
+def test_optimizer_loops_with_partial_grads(fn):
+    sweep(fn, [rng_arr(0, 5, 3), rng_arr(1, 7, 5), rng_arr(2, 7, 3)], fn.__name__, k1=1, k2=2, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. remat with a policy inside a gradient
 
@@ -295,7 +355,17 @@ def test_causal_attention_grad_gqa():
     def loss(q, k, v):
         return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)
 
-    sweep(jax.grad(loss, argnums=(0, 1, 2)), [q, k, v], "attn-grad", k1=0, k2=3, rtol=1e-4, atol=1e-5)
+    f = jax.grad(loss, argnums=(0, 1, 2))
+    if FULL:
+        sweep(f, [q, k, v], "attn-grad", rtol=1e-4, atol=1e-5)
+        return
+    # data, sequence (q alone, and k / v alone) and head parallel; batch x heads on (2, 2)
+    for plc, lays in [
+        (P4, [[("S(0)",)] * 3, [("S(1)",), ("B",), ("B",)], [("B",), ("S(1)",), ("S(1)",)], [("S(2)",)] * 3]),
+        (Q22, [[("S(0)", "S(2)")] * 3, [("S(1)", "S(3)"), ("B", "S(1)"), ("S(2)", "B")]]),
+    ]:
+        for lay in lays:
+            check(f, [q, k, v], plc, lay, rtol=1e-4, atol=1e-5)
 
 
 def _xent(logits, labels):
