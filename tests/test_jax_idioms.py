@@ -143,7 +143,9 @@ def _dpsgd(w1, b1, w2, x, y, clip=1.0):
     flat = jnp.concatenate([g.reshape(g.shape[0], -1) for g in grads], axis=1)
     norms = jnp.linalg.norm(flat, axis=1)
     scale = jnp.minimum(1.0, clip / (norms + 1e-6))
-    return jax.tree_util.tree_map(lambda g: jnp.mean(g * scale.reshape((-1,) + (1,) * (g.ndim - 1)), axis=0), grads)
+    return jax.tree_util.tree_map(
+        lambda g: jnp.mean(g * scale.reshape((-1,) + (1,) * (g.ndim - 1)), axis=0), grads
+    )
 
 
 @pytest.mark.parametrize("batch", [slow(8), 7])
@@ -151,7 +153,11 @@ def test_per_example_grads_clipped_mean(batch):
     w1, b1, w2 = rng_arr(0, 5, 6), rng_arr(1, 6), rng_arr(2, 6, 3)
     x = rng_arr(3, batch, 5, lo=-2, hi=2)
     y = np.random.default_rng(4).integers(0, 3, batch).astype(np.int32)
-    sweep(lambda w1, b1, w2, x, y: _dpsgd(w1, b1, w2, x, y, clip=0.5), [w1, b1, w2, x, y], f"dpsgd{batch}")
+    sweep(
+        lambda w1, b1, w2, x, y: _dpsgd(w1, b1, w2, x, y, clip=0.5),
+        [w1, b1, w2, x, y],
+        f"dpsgd{batch}",
+    )
 
 
 def test_per_example_grads_data_parallel_is_local():
@@ -161,7 +167,9 @@ def test_per_example_grads_data_parallel_is_local():
     x = rng_arr(3, 7, 5)
     y = np.random.default_rng(4).integers(0, 3, 7).astype(np.int32)
     vals = [w1, b1, w2, x, y]
-    args = [jsbp.tensor(v, placement=P4, sbp=s) for v, s in zip(vals, ["B", "B", "B", "S(0)", "S(0)"])]
+    args = [
+        jsbp.tensor(v, placement=P4, sbp=s) for v, s in zip(vals, ["B", "B", "B", "S(0)", "S(0)"])
+    ]
     f = jsbp.jit(_dpsgd)
     coll = jsbp.debug.count_collectives(f, *args)
     assert sum(coll.values()) == 0, coll
@@ -250,6 +258,7 @@ def _loss(w, x, y):
 
 def _grad_accum(w, xs, ys):
     """Gradient accumulation over micro-batches with scan (the grads of a split batch are P)."""
+
     def step(acc, b):
         l, g = jax.value_and_grad(_loss)(w, *b)
         return (acc[0] + l, acc[1] + g), l
@@ -282,12 +291,25 @@ def _early_stop(w, x, y):
 
 
 def test_grad_accumulation_scan():
-    sweep(_grad_accum, [rng_arr(0, 5, 3), rng_arr(1, 3, 7, 5), rng_arr(2, 3, 7, 3)], "accum", k1=2, k2=4)
+    sweep(
+        _grad_accum,
+        [rng_arr(0, 5, 3), rng_arr(1, 3, 7, 5), rng_arr(2, 3, 7, 3)],
+        "accum",
+        k1=2,
+        k2=4,
+    )
 
 
 @pytest.mark.parametrize("fn", [_adam_fori, _early_stop], ids=["adam-fori", "early-stop-while"])
 def test_optimizer_loops_with_partial_grads(fn):
-    sweep(fn, [rng_arr(0, 5, 3), rng_arr(1, 7, 5), rng_arr(2, 7, 3)], fn.__name__, k1=1, k2=2, rtol=1e-4)
+    sweep(
+        fn,
+        [rng_arr(0, 5, 3), rng_arr(1, 7, 5), rng_arr(2, 7, 3)],
+        fn.__name__,
+        k1=1,
+        k2=2,
+        rtol=1e-4,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,7 +321,10 @@ def _remat_loss(w1, w2, x):
     def block(x):
         return jnp.tanh(x @ w1) @ w2
 
-    blk = jax.checkpoint(lambda x: jax.nn.gelu(x @ w1) @ w2, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    blk = jax.checkpoint(
+        lambda x: jax.nn.gelu(x @ w1) @ w2,
+        policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    )
     return jnp.mean(blk(x) ** 2) + jnp.mean(block(x))
 
 
@@ -361,7 +386,15 @@ def test_causal_attention_grad_gqa():
         return
     # data, sequence (q alone, and k / v alone) and head parallel; batch x heads on (2, 2)
     for plc, lays in [
-        (P4, [[("S(0)",)] * 3, [("S(1)",), ("B",), ("B",)], [("B",), ("S(1)",), ("S(1)",)], [("S(2)",)] * 3]),
+        (
+            P4,
+            [
+                [("S(0)",)] * 3,
+                [("S(1)",), ("B",), ("B",)],
+                [("B",), ("S(1)",), ("S(1)",)],
+                [("S(2)",)] * 3,
+            ],
+        ),
         (Q22, [[("S(0)", "S(2)")] * 3, [("S(1)", "S(3)"), ("B", "S(1)"), ("S(2)", "B")]]),
     ]:
         for lay in lays:
@@ -372,7 +405,12 @@ def _xent(logits, labels):
     onehot = jax.nn.one_hot(labels, logits.shape[-1])
     loss = -jnp.sum(onehot * jax.nn.log_softmax(logits), axis=-1)
     picked = jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=-1)[:, 0]
-    return jnp.mean(loss), loss, picked, jax.grad(lambda lg: jnp.mean(-jnp.sum(onehot * jax.nn.log_softmax(lg), -1)))(logits)
+    return (
+        jnp.mean(loss),
+        loss,
+        picked,
+        jax.grad(lambda lg: jnp.mean(-jnp.sum(onehot * jax.nn.log_softmax(lg), -1)))(logits),
+    )
 
 
 @pytest.mark.parametrize("shape", [slow((8, 5)), (7, 6)])
@@ -461,9 +499,18 @@ def test_sorts_with_ties_across_blocks():
     smallest index among equals, as on one device."""
     x = np.random.default_rng(0).integers(0, 3, (7, 6)).astype(np.float32)
     sweep(
-        lambda x: (jnp.argsort(x, axis=0), jnp.argsort(x, axis=1), jax.lax.top_k(x, 3), jax.lax.top_k(x.T, 3),
-                   jnp.argmax(x, 0), jnp.argmin(x, 1), jnp.argmax(x)),
-        [x], "ties", must_pass=False,
+        lambda x: (
+            jnp.argsort(x, axis=0),
+            jnp.argsort(x, axis=1),
+            jax.lax.top_k(x, 3),
+            jax.lax.top_k(x.T, 3),
+            jnp.argmax(x, 0),
+            jnp.argmin(x, 1),
+            jnp.argmax(x),
+        ),
+        [x],
+        "ties",
+        must_pass=False,
     )
 
 
@@ -488,9 +535,20 @@ def test_while_carry_layout_changes_in_body():
 
 def test_cond_branches_with_different_layouts():
     """One branch contracts a split dim (a partial result), the other a global sum (B)."""
+
     def f(x, w):
-        pos = jax.lax.cond(jnp.sum(x) > 0, lambda a: a @ w, lambda a: jnp.sum(a) * jnp.ones((a.shape[0], w.shape[1])), x)
-        neg = jax.lax.cond(jnp.sum(x) < 0, lambda a: a @ w, lambda a: jnp.sum(a) * jnp.ones((a.shape[0], w.shape[1])), x)
+        pos = jax.lax.cond(
+            jnp.sum(x) > 0,
+            lambda a: a @ w,
+            lambda a: jnp.sum(a) * jnp.ones((a.shape[0], w.shape[1])),
+            x,
+        )
+        neg = jax.lax.cond(
+            jnp.sum(x) < 0,
+            lambda a: a @ w,
+            lambda a: jnp.sum(a) * jnp.ones((a.shape[0], w.shape[1])),
+            x,
+        )
         return pos, neg
 
     sweep(f, [rng_arr(0, 7, 6), rng_arr(1, 6, 5)], "cond-layouts")
@@ -505,7 +563,12 @@ def test_scan_over_layers_with_remat_policy_grad():
         h, _ = jax.lax.scan(jax.checkpoint(blk, policy=pol), x, ws)
         return jnp.mean(h**2)
 
-    sweep(jax.value_and_grad(loss, argnums=(0, 1)), [rng_arr(0, 3, 6, 6), rng_arr(1, 7, 6)], "layers-remat", rtol=1e-4)
+    sweep(
+        jax.value_and_grad(loss, argnums=(0, 1)),
+        [rng_arr(0, 3, 6, 6), rng_arr(1, 7, 6)],
+        "layers-remat",
+        rtol=1e-4,
+    )
 
 
 def test_fori_loop_into_a_split_input_buffer_dynamic_trip_count():
@@ -515,14 +578,23 @@ def test_fori_loop_into_a_split_input_buffer_dynamic_trip_count():
 
         return jax.lax.fori_loop(0, n, body, buf)
 
-    sweep(f, [rng_arr(0, 7, 5), rng_arr(1, 5, 5), np.int32(4)], "fori-buf", splittable=[True, True, False])
+    sweep(
+        f,
+        [rng_arr(0, 7, 5), rng_arr(1, 5, 5), np.int32(4)],
+        "fori-buf",
+        splittable=[True, True, False],
+    )
 
 
 def test_segment_sum_and_scatter_add_on_split_rows():
     seg = np.random.default_rng(1).integers(0, 4, 7).astype(np.int32)
 
     def f(d, s, b):
-        return jax.ops.segment_sum(d, s, num_segments=4), jax.ops.segment_max(d, s, num_segments=4), b.at[s].add(d[:, :3])
+        return (
+            jax.ops.segment_sum(d, s, num_segments=4),
+            jax.ops.segment_max(d, s, num_segments=4),
+            b.at[s].add(d[:, :3]),
+        )
 
     sweep(f, [rng_arr(2, 7, 5), seg, rng_arr(3, 6, 3)], "segments")
 
@@ -532,6 +604,64 @@ def test_per_example_keys_as_data():
 
     def f(k, x):
         keys = jax.random.wrap_key_data(k)
-        return jax.vmap(lambda kk, r: r + jax.random.normal(jax.random.fold_in(kk, 1), r.shape))(keys, x)
+        return jax.vmap(lambda kk, r: r + jax.random.normal(jax.random.fold_in(kk, 1), r.shape))(
+            keys, x
+        )
 
     sweep(f, [kd, rng_arr(1, 7, 5)], "keys-data", k2=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# 10. the obvious cheapest plans: data / head parallel training steps need no collective
+
+
+def _remat_grad(w1, w2, x):
+    return jax.grad(_remat_loss, argnums=(0, 1))(w1, w2, x)
+
+
+def _vmap_noise(x):
+    keys = jax.random.split(jax.random.key(0), x.shape[0])
+    return jax.vmap(lambda k, r: r + jax.random.normal(k, r.shape))(keys, x)
+
+
+_Y7 = np.arange(7, dtype=np.int32) % 3
+_QKV = [rng_arr(i, 3, 6, 2, 4) for i in range(3)]
+_LOCAL_CASES = {
+    "xent-dp": (_xent, [rng_arr(0, 7, 6), _Y7], P4, ["S(0)", "S(0)"]),
+    "attn-dp": (_attn, _QKV, P4, ["S(0)"] * 3),
+    "attn-heads": (_attn, _QKV, P4, ["S(2)"] * 3),
+    "attn-dp-heads": (_attn, _QKV, Q22, [("S(0)", "S(2)")] * 3),
+    "noise-dp": (_vmap_noise, [rng_arr(0, 7, 5)], P4, ["S(0)"]),
+    "remat-grad-dp": (
+        _remat_grad,
+        [rng_arr(0, 4, 6), rng_arr(1, 6, 4), rng_arr(2, 7, 4)],
+        P4,
+        ["B", "B", "S(0)"],
+    ),
+    "dpsgd-2d": (
+        _dpsgd,
+        [rng_arr(0, 5, 6), rng_arr(1, 6), rng_arr(2, 6, 3), rng_arr(3, 7, 5), _Y7],
+        Q22,
+        [("B", "B")] * 3 + [("S(0)", "S(0)")] * 2,
+    ),
+    "accum-dp": (
+        _grad_accum,
+        [rng_arr(0, 5, 3), rng_arr(1, 3, 7, 5), rng_arr(2, 3, 7, 3)],
+        P4,
+        ["B", "S(1)", "S(1)"],
+    ),
+    "fori-cols": (_fori_buffer, [rng_arr(0, 7, 6)], P4, ["S(1)"]),
+}
+
+
+@pytest.mark.parametrize("name", list(_LOCAL_CASES))
+def test_data_and_head_parallel_steps_need_no_collective(name):
+    fn, vals, plc, lays = _LOCAL_CASES[name]
+    args = [jsbp.tensor(np.asarray(v), placement=plc, sbp=s) for v, s in zip(vals, lays)]
+    coll = jsbp.debug.count_collectives(jsbp.jit(fn), *args)
+    assert sum(coll.values()) == 0, (name, coll)
+    # reductions over the split batch stay partial (P) rather than being reduced eagerly
+    out = _leaves(jsbp.jit(fn)(*args))
+    ref = jax.tree_util.tree_leaves(jax.jit(fn)(*[jnp.asarray(v) for v in vals]))
+    for g, r in zip(out, ref):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-4, atol=1e-5)
