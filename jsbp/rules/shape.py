@@ -97,8 +97,10 @@ def _reshape_sigs(ctx):
         bj = [d for d in gj if b[d] != 1]
         if not ai or not bj:
             continue
-        # the major dim of a group keeps its split when both sides divide evenly over every device
-        if a[ai[0]] % total == 0 and b[bj[0]] % total == 0:
+        # the major dim of a group keeps its split when both sides divide evenly over every
+        # device, or when it is the same dim on both sides (a group (7, 5, 6) -> (7, 30) splits
+        # dim 0 into the same blocks, padding included, before and after: any split is exact)
+        if a[ai[0]] == b[bj[0]] or (a[ai[0]] % total == 0 and b[bj[0]] % total == 0):
             yield (Split(perm[ai[0]]),) + (B,) * (len(ctx.in_avals) - 1), (Split(bj[0]),)
     yield (B,) * len(ctx.in_avals), (B,)
     for (pi,), po in _ALL_PARTIAL:
