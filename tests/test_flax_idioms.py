@@ -496,6 +496,18 @@ CACHE_RULES = {  # the cache's (batch, length, heads, head_dim) follows the batc
 }
 
 
+def _decode_step(gdef, jit):
+    """One cached decode step ``(state, tokens, position) -> (logits, state)`` under ``jit``
+    (``jax.jit`` on one device, ``jsbp.jit`` on the placement)."""
+
+    @jit
+    def step(state, tok, i):
+        m = nnx.merge(gdef, state)
+        return m(tok, i[None], decode=True), nnx.state(m)
+
+    return step
+
+
 @pytest.mark.parametrize("cache_split", [False, True], ids=["cache_B", "cache_split"])
 @pytest.mark.parametrize("layout", layouts("dp2tp4"))
 def test_kv_cache_decode_loop(layout, cache_split):
@@ -504,12 +516,7 @@ def test_kv_cache_decode_loop(layout, cache_split):
     ref_model = _decode_model()
     full = np.asarray(ref_model(jnp.asarray(toks), jnp.arange(SEQ)))
     gdef, state = nnx.split(ref_model)
-
-    @jax.jit
-    def ref_step(state, tok, i):
-        m = nnx.merge(gdef, state)
-        return m(tok, i[None], decode=True), nnx.state(m)
-
+    ref_step = _decode_step(gdef, jax.jit)
     ref_steps = []
     for i in range(SEQ):
         logits, state = ref_step(state, jnp.asarray(toks[:, i : i + 1]), jnp.int32(i))
@@ -528,12 +535,7 @@ def test_kv_cache_decode_loop(layout, cache_split):
         want = "(" + ", ".join(CACHE_RULES[layout][0][1]) + ")"
         assert all(v == want for k, v in lay.items() if "cached_" in k), lay
     gdef, state = nnx.split(model)
-
-    @jsbp.jit
-    def step(state, tok, i):
-        m = nnx.merge(gdef, state)
-        return m(tok, i[None], decode=True), nnx.state(m)
-
+    step = _decode_step(gdef, jsbp.jit)
     got = []
     with jflax.use_strategy(strat):
         for i in range(SEQ):
