@@ -65,6 +65,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _common import fmt_coll  # noqa: E402  (benchmarks/ is on sys.path)
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as PS  # noqa: E402
@@ -548,20 +549,6 @@ def compiled_program(case: Case, name: str, f) -> tuple[dict, str]:
     return counts, text
 
 
-_SHORT = {
-    "all-gather": "AG",
-    "all-reduce": "AR",
-    "reduce-scatter": "RS",
-    "all-to-all": "A2A",
-    "collective-permute": "CP",
-}
-
-
-def _fmt_coll(c: dict) -> str:
-    parts = [f"{v} {_SHORT[k]}" for k, v in c.items() if v]
-    return ", ".join(parts) if parts else "none"
-
-
 def _op_histogram(hlo: str) -> dict[str, int]:
     """Instruction opcodes of an optimised HLO module (all computations), for diffing programs."""
     import re
@@ -822,7 +809,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|")
     for name, c in coll_rows:
         print(
-            f"| {name} | {_fmt_coll(c['jsbp'])} | {_fmt_coll(c['jsbp+hints'])} | {_fmt_coll(c['hand'])} |"
+            f"| {name} | {fmt_coll(c['jsbp'])} | {fmt_coll(c['jsbp+hints'])} | {fmt_coll(c['hand'])} |"
         )
     print()
     print("## (c) eager add, 64 x 64 float32, S(0) on 8 devices, cache hit (us per call)\n")

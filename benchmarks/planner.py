@@ -45,6 +45,8 @@ for _p in (ROOT, ROOT / "benchmarks", ROOT / "tests", ROOT / "examples"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from _common import fmt_coll  # noqa: E402  (benchmarks/ is on sys.path)
+
 import jsbp  # noqa: E402
 from jsbp import _compiler, _jit  # noqa: E402
 from jsbp.debug import count_collectives  # noqa: E402
@@ -221,12 +223,6 @@ def planning_times(layers_list=(1, 4, 16, 24), reps=1, strategy="DPxTP") -> list
     return rows
 
 
-def _fmt_kinds(d: dict) -> str:
-    short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
-             "collective-permute": "CP"}
-    return ", ".join(f"{v} {short.get(k, k)}" for k, v in d.items()) or "none"
-
-
 def cost_table(results: dict) -> str:
     lines = [
         "| program | search cost (MB-eq) | global cost (MB-eq) | global / search | search collectives | "
@@ -238,7 +234,7 @@ def cost_table(results: dict) -> str:
         ratio = g["cost"] / s["cost"] if s["cost"] else 1.0
         lines.append(
             f"| {name} | {s['cost'] / 1e6:.2f} | {g['cost'] / 1e6:.2f} | {ratio:.3f} | "
-            f"{s['collectives']} ({_fmt_kinds(s['by_kind'])}) | {g['collectives']} ({_fmt_kinds(g['by_kind'])}) | "
+            f"{s['collectives']} ({fmt_coll(s['by_kind'])}) | {g['collectives']} ({fmt_coll(g['by_kind'])}) | "
             f"{s['plan_s']:.2f} | {g['plan_s']:.2f} |"
         )
     return "\n".join(lines)

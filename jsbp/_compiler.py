@@ -323,11 +323,7 @@ class _Inference:
     def candidates(self, eqn, cur: list[Layout]):
         """The rule of ``eqn`` and its legal nd signatures on this placement (memoised across
         the passes of one ``infer``: rules may look at the current layouts, so they are the key)."""
-        known = self.choices.get((_EQN, id(eqn)))
-        if known is None or known[0] is not eqn:  # the key of this equation, computed once
-            rule = _registry._RULES.get(eqn.primitive.name)
-            known = self.choices[(_EQN, id(eqn))] = (eqn, _eqn_key(eqn), rule is not None and rule.nd)
-        _, key, nd_rule = known
+        key, nd_rule = self._memo((_EQN, id(eqn)), eqn, lambda: (_eqn_key(eqn), _nd_rule(eqn)))
         if nd_rule:  # an nd rule may look at the current layouts
             key = (key, tuple(l.nd_sbp for l in cur))
         hit = self.cands_cache.get(key)
@@ -371,10 +367,7 @@ class _Inference:
         # outright; only the tie-breakers rank those
         base = cands
         cur_nd = tuple(l.nd_sbp for l in cur)
-        hit = self.choices.get((_AS_IS, id(base), cur_nd))
-        if hit is None or hit[0] is not base:
-            hit = self.choices[(_AS_IS, id(base), cur_nd)] = (base, [(i, o) for i, o in base if i == cur_nd])
-        as_is = hit[1]
+        as_is = self._memo((_AS_IS, id(base), cur_nd), base, lambda: [(i, o) for i, o in base if i == cur_nd])
         if as_is and eqn.primitive.name in _COMPUTE_HEAVY:
             # bytes are not the whole cost here: gathering the operands of a matmul to save a
             # reduction of its result would repeat the whole product on every device
@@ -398,10 +391,7 @@ class _Inference:
 
         def cheapest(sub, tag):
             key = self._choice_key(eqn, base, cur_nd, demand, reuse, avail, (tag, tuple(pinned)))
-            hit = self.choices.get(key)
-            if hit is None or hit[0] is not base:
-                hit = self.choices[key] = (base, self._cheapest(eqn, cur, sub, demand, reuse, avail))
-            return hit[1]
+            return self._memo(key, base, lambda: self._cheapest(eqn, cur, sub, demand, reuse, avail))
 
         if not pinned:
             return cheapest(cands, "all")
@@ -415,6 +405,15 @@ class _Inference:
             self.diverged = True
         return cheapest(keep, "pinned") if keep else cheapest(cands, "all")
 
+    def _memo(self, key, owner, make):
+        """``make()``, memoised in ``choices`` under ``key`` (which may hold ``id(owner)``): the
+        entry keeps ``owner`` alive and is used only while it is that object, so an id is never
+        taken for another object's."""
+        hit = self.choices.get(key)
+        if hit is None or hit[0] is not owner:
+            hit = self.choices[key] = (owner, make())
+        return hit[1]
+
     def _choice_key(self, eqn, base, cur_nd, demand, reuse, avail, tag):
         """Everything ``_cheapest`` reads, as a key: the equation's candidates (``base``, one list
         per rule and operand / result types, so it stands for the primitive, its parameters and
@@ -423,10 +422,8 @@ class _Inference:
         small-partial charge is on (``_IN_BODY``). Equal keys rank equally: the repeated layers of
         a model are ranked once. ``tag``: which subset of ``base`` is ranked (a function of the
         rest of the key)."""
-        opts = self.choices.get((_OPTIONS, id(base)))
-        if opts is None or opts[0] is not base:
-            per_op = [dict.fromkeys(ins[i] for ins, _ in base) for i in range(len(cur_nd))]
-            opts = self.choices[(_OPTIONS, id(base))] = (base, per_op)
+        opts = self._memo((_OPTIONS, id(base)), base,
+                          lambda: [dict.fromkeys(ins[i] for ins, _ in base) for i in range(len(cur_nd))])
         ops = []
         for i, v in enumerate(eqn.invars):
             if isinstance(v, jcore.Literal):
@@ -435,7 +432,7 @@ class _Inference:
             k = self.key(v)
             held = self.held(v) if reuse else {}
             src = cur_nd[i]
-            free = tuple(nd for nd in opts[1][i] if nd != src and nd not in held and avail(k, nd))
+            free = tuple(nd for nd in opts[i] if nd != src and nd not in held and avail(k, nd))
             ops.append((tuple(held), free))
         wants = tuple(None if isinstance(v, jcore.DropVar) else tuple(demand.get(v, ())) for v in eqn.outvars)
         return (id(base), cur_nd, tuple(ops), wants, reuse, _IN_BODY.get(), tag)
@@ -679,6 +676,12 @@ def _carry_through(eqn, cands, demand):
         if outs == (d,) and ins == want_ins:
             return ins
     return None
+
+
+def _nd_rule(eqn) -> bool:
+    """Whether the rule of ``eqn`` is an nd rule (it may look at the current layouts)."""
+    rule = _registry._RULES.get(eqn.primitive.name)
+    return rule is not None and rule.nd
 
 
 def _eqn_key(eqn):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections import Counter
 
 import numpy as np
 from jax.extend import core as jcore
@@ -820,7 +821,7 @@ def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[i
         of.append(r)
     nodes, values = prob.nodes, prob.values
 
-    def role_of_value(k, val):
+    def role_of_value(val):
         if val.producer is None:
             return ("fixed", val.nd, val.shape, val.itemsize, val.anchored, tuple(val.own),
                     frozenset(val.shared), frozenset((of[f], i) for f, i in val.uses))
@@ -831,34 +832,27 @@ def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[i
     for k, val in values.items():
         if val.producer is None and not val.uses:
             continue
-        qk = vrole[k] = role_of_value(k, val)
+        qk = vrole[k] = role_of_value(val)
         qv = qvalues.get(qk)
         if qv is None:
             qv = qvalues[qk] = dataclasses.replace(
-                val, producer=None if val.producer is None else (of[val.producer[0]], val.producer[1]),
-                uses=set(), shared=set(val.shared), own=list(val.own), weight=0.0, costs=val.costs)
+                val, producer=None if val.producer is None else qk[1:], uses=set(), shared=set(val.shared),
+                own=list(val.own), weight=0.0, costs=val.costs)
         qv.weight += 1.0
         qv.uses.update((of[f], i) for f, i in val.uses)
     for qv in qvalues.values():
         qv.uses = sorted(qv.uses)
+    rep = [ms[len(ms) // 2] for ms in members]
     qnodes = []
     for r, ms in enumerate(members):
-        n = nodes[ms[len(ms) // 2]]
+        n = nodes[rep[r]]
         cost = np.sum([nodes[u].cost for u in ms], axis=0)
-        operands = []
-        for i, k in enumerate(n.operands):
-            if k is None:
-                operands.append(None)
-                continue
-            counts: dict = {}
-            for u in ms:
-                kk = nodes[u].operands[i]
-                qk = vrole[kk]
-                counts[qk] = counts.get(qk, 0) + 1
-            operands.append(max(counts, key=counts.get))
+        operands = [
+            None if k is None else Counter(vrole[nodes[u].operands[i]] for u in ms).most_common(1)[0][0]
+            for i, k in enumerate(n.operands)
+        ]
         outputs = [None if k is None else ("made", r, j) for j, k in enumerate(n.outputs)]
         qnodes.append(Node(n.eqn, n.cands, operands, outputs, cost, kind=n.kind))
-    rep = [ms[len(ms) // 2] for ms in members]
     return Problem(prob.hierarchy, qnodes, qvalues, prob._cost_cache), of, rep
 
 

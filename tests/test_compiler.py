@@ -875,8 +875,13 @@ def _deep_mlp_step(layers):
         g = jax.grad(loss)(ws, x)
         return jax.tree_util.tree_map(lambda w, d: w - 0.1 * d, ws, g)
 
-    ws = [(gt(rand(16, 32), R24, "B, S(1)"), gt(rand(32, 16), R24, "B, S(0)")) for _ in range(layers)]
-    return step, (ws, gt(rand(8, 16), R24, "S(0), B"))
+    rng = np.random.default_rng(layers)  # its own stream: the values do not depend on test order
+
+    def r(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    ws = [(gt(r(16, 32), R24, "B, S(1)"), gt(r(32, 16), R24, "B, S(0)")) for _ in range(layers)]
+    return step, (ws, gt(r(8, 16), R24, "S(0), B"))
 
 
 def test_repeated_layers_are_ranked_once(monkeypatch):
@@ -918,4 +923,8 @@ def test_repeated_layers_are_ranked_once(monkeypatch):
     out = jsbp.jit(step)(*args)
     ref = step(*jax.tree_util.tree_map(lambda t: jnp.asarray(t.numpy()), args,
                                        is_leaf=lambda t: isinstance(t, jsbp.GlobalTensor)))
-    assert_tree_close(out, ref, rtol=1e-4, atol=1e-4)  # float32 sums in another order
+    # float32 sums in another order through a residual stack whose values grow: scale-relative
+    for o, want in zip(jax.tree_util.tree_leaves(out, is_leaf=lambda t: isinstance(t, jsbp.GlobalTensor)),
+                       jax.tree_util.tree_leaves(ref)):
+        want = np.asarray(want)
+        np.testing.assert_allclose(o.numpy(), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
