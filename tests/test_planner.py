@@ -46,17 +46,30 @@ def _layer(x, w):
     return jnp.tanh(x @ w).sum(0)
 
 
+def _pinned(x, w):
+    y = jnp.tanh(x @ w)  # read by an annotation (a fixed target) and by two equations
+    return jsbp.to_global(y, sbp="B"), (y * y.sum(0)).sum(1)
+
+
 SMALL = {  # (function, arguments): a few equations, every combination of candidates enumerable
     "1d": lambda: (_mlp, (gt(rand(8, 6), P4, "S(0)"), gt(rand(6, 4), P4, "S(1)"), gt(rand(4, 4), P4, "B"))),
     "2d": lambda: (_layer, (gt(rand(8, 6), P2x2, ("S(0)", "B")), gt(rand(6, 4), P2x2, ("B", "S(1)")))),
+    "pinned": lambda: (_pinned, (gt(rand(8, 2), P4, "S(0)"), gt(rand(2, 16), P4, "B"))),
 }
 
 
+@pytest.mark.parametrize("joint", [True, False], ids=["joint", "per-target"])
 @pytest.mark.parametrize("case", list(SMALL))
-def test_ilp_finds_the_exhaustive_optimum(case, monkeypatch):
+def test_ilp_finds_the_exhaustive_optimum(case, joint, monkeypatch):
     """On a program small enough to enumerate, the mixed-integer program's choice costs what the
-    best of every combination of candidates costs (conversions costed from the value as made)."""
+    best of every combination of candidates costs (conversions costed from the value as made),
+    with either formulation of a value's conversions (``_joint_rows``, or the rows per target
+    that large values keep)."""
+    if not joint:
+        monkeypatch.setattr(G, "ILP_JOINT_MAX", 0)
     prob, _ = _problem(*SMALL[case](), monkeypatch)
+    if case == "pinned":  # the case is there for its shared value: check that it has one
+        assert any(v.shared and len(v.uses) >= 2 and v.producer is not None for v in prob.values.values())
     sizes = [len(n.cands) for n in prob.nodes]
     assert 1 < np.prod(sizes, dtype=float) < 3e5, sizes
     best = min(G.objective(prob, list(c), hubs=False) for c in itertools.product(*map(range, sizes)))
