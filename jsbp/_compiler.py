@@ -913,18 +913,39 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], n_carry_out_offse
     return list(carry_init), make_sub(carry_init, True)
 
 
+_BODY_PLANS = contextvars.ContextVar("jsbp_body_plans", default=None)
+"""Loop-body programs already planned in this ``infer`` call, by everything a plan depends on
+(``_body_program``): each forward pass of the enclosing program meets the loop again, and the
+carry's fixed point tries the same layouts again."""
+
+
 def _body_program(inf: _Inference, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     """A loop body, planned as a program of its own (``_search``: the anchored and free seeds,
-    each refined by the lookahead over the body's equations). Planned inside the enclosing
+    each refined by the lookahead over the body's equations; under ``JSBP_PLANNER=global`` the
+    global planner, given the layouts at the body's boundary). Planned inside the enclosing
     program instead, a body was chosen one equation at a time with no lookahead: BatchNorm's
     partial batch statistics were reduce-scattered (cheaper for that equation alone) and
     all-gathered back by the normalisation, two collectives per statistic where one all-reduce
-    does (the scan-over-layers MLP under dp=8: 25 collectives per step, GSPMD 13)."""
+    does (the scan-over-layers MLP under dp=8: 25 collectives per step, GSPMD 13).
+
+    Planned once per ``infer`` call for each (body, constants, boundary layouts, wanted outputs,
+    strictness, planner): the passes of the enclosing program share the plan (read-only)."""
+    glob = _planner.enabled()
+    plans = _BODY_PLANS.get()
+    key = (id(jaxpr), tuple(map(id, consts)), tuple((l.nd_sbp, l.shape) for l in in_layouts),
+           None if out_nd is None else tuple(None if nd is None else tuple(nd) for nd in out_nd),
+           inf.strict, glob)
+    hit = None if plans is None else plans.get(key)
+    if hit is not None and hit[0] is jaxpr and all(a is b for a, b in zip(hit[1], consts)):
+        return hit[2]
     token = _IN_BODY.set(True)
     try:
-        return _search(inf.placement, jaxpr, consts, in_layouts, out_nd, inf.strict)
+        prog = _search(inf.placement, jaxpr, consts, in_layouts, out_nd, inf.strict, glob)
     finally:
         _IN_BODY.reset(token)
+    if plans is not None:  # (the entry holds the body and its constants: their ids stay theirs)
+        plans[key] = (jaxpr, tuple(consts), prog)
+    return prog
 
 
 def _infer_scan(inf: _Inference, eqn, cur):
@@ -1201,7 +1222,7 @@ def iter_steps(prog: Program, depth=0):
             yield from iter_steps(s, depth + 1)
 
 
-def _reduce_before_transposes(prog: Program) -> None:
+def _reduce_before_transposes(prog: Program, seen=None) -> None:
     """Move the reduction of a partial value to before the ``transpose`` that feeds it.
 
     A weight gradient is ``dot_general`` (partial over the data axis) then ``transpose``; SBP
@@ -1211,10 +1232,15 @@ def _reduce_before_transposes(prog: Program) -> None:
     copies both operands instead (XLA:CPU: one dot per weight left unfused, ~5 % of a DP step).
     Reducing first (dot -> all-reduce -> transpose) is what GSPMD emits. Rewritten only where the
     transpose's operand and result each have that single use, the operand is computed in the
-    same program, and the moved boxing costs no more; nested programs likewise."""
+    same program, and the moved boxing costs no more; nested programs likewise (each once: two
+    loops of one body and layouts share its program, ``_body_program``)."""
+    seen = set() if seen is None else seen
+    if id(prog) in seen:
+        return
+    seen.add(id(prog))
     for st in prog.steps:
         for sub in subprograms(st):
-            _reduce_before_transposes(sub)
+            _reduce_before_transposes(sub, seen)
     uses: dict = {}
     produced = set()
     for k, st in enumerate(prog.steps):
@@ -1315,7 +1341,11 @@ def infer(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = F
     reduce-scatters / all-gathers batched into combined collectives (``_combine``). A primitive
     without a rule runs replicated with a ``NoRuleWarning`` (``strict``: an ``SbpError``)."""
     with _gc_paused():
-        prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict, _planner.enabled())
+        token = _BODY_PLANS.set({})
+        try:
+            prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict, _planner.enabled())
+        finally:
+            _BODY_PLANS.reset(token)
         _reduce_before_transposes(prog)
         combine_collectives(prog)
     _warn_replicated(prog, placement)
