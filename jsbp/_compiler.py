@@ -1004,10 +1004,19 @@ def _infer_cond(inf: _Inference, eqn, cur):
     if (bx := inf.box(0, cur[0], idx_want, eqn.invars[0].aval)) is not None:
         boxings.append(bx)
     ops = cur[1:]
-    first = inf.program(branches[0].jaxpr, branches[0].consts, ops)
+    first = _branch_program(inf, branches[0], ops)
     out_nd = [l.nd_sbp for l in first.out_layouts]
-    subs = [first] + [inf.program(b.jaxpr, b.consts, ops, out_nd=out_nd) for b in branches[1:]]
+    subs = [first] + [_branch_program(inf, b, ops, out_nd) for b in branches[1:]]
     return Step(eqn, [idx_want] + list(ops), list(first.out_layouts), boxings, sub=subs, kind="cond")
+
+
+def _branch_program(inf: _Inference, closed, ops, out_nd=None) -> Program:
+    """A ``cond`` branch: planned inside the enclosing pass (equation by equation), or under
+    ``JSBP_PLANNER=global`` by the global planner as a program of its own, given the operand
+    layouts (and the first branch's result layouts for the others)."""
+    if _planner.enabled():
+        return _search(inf.placement, closed.jaxpr, closed.consts, ops, out_nd, inf.strict, True)
+    return inf.program(closed.jaxpr, closed.consts, ops, out_nd=out_nd)
 
 
 def _infer_annotate(inf: _Inference, eqn, cur):

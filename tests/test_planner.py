@@ -318,3 +318,39 @@ def test_loop_bodies_are_planned_once_per_infer(monkeypatch):
     ]
     out = jsbp.jit(fn)(*args)
     np.testing.assert_allclose(out.numpy(), fn(*(a.numpy() for a in args)), rtol=1e-5)
+
+
+def test_global_planner_plans_cond_branches(monkeypatch):
+    """Under ``JSBP_PLANNER=global`` a ``cond`` branch is planned by the global planner as a
+    program of its own (given the operand layouts), not equation by equation inside the enclosing
+    pass. A batch-normalising branch on (2, 2), batch split over the first axis, features over the
+    second: the in-pass plan reduce-scatters the two partial statistics and gathers them back
+    (2 reduce-scatters + 1 all-reduce); the global one all-reduces each statistic once."""
+    def bn(x, g):
+        m = x.mean(0)
+        v = ((x - m) ** 2).mean(0)
+        return (x - m) / jnp.sqrt(v + 1e-5) * g
+
+    def fn(p, x, w, g):
+        return jax.lax.cond(p.sum() > 0, bn, lambda h, g: h * g, x @ w, g)
+
+    vals = (rand(4), rand(16, 8), rand(8, 32), rand(32))
+    args = tuple(gt(v, P2x2, nd) for v, nd in zip(vals, [("B", "B"), ("S(0)", "B"), ("B", "S(1)"), ("B", "S(0)")]))
+    search = jsbp.jit(fn)
+    monkeypatch.setenv("JSBP_PLANNER", "global")
+    planned = jsbp.jit(fn)
+    got = planned.lower_program(*args).program
+    monkeypatch.delenv("JSBP_PLANNER")
+    want = search.lower_program(*args).program
+    branch = [C.program_cost(b) for _, st in C.iter_steps(got) if st.kind == "cond" for b in C.subprograms(st)]
+    before = [C.program_cost(b) for _, st in C.iter_steps(want) if st.kind == "cond" for b in C.subprograms(st)]
+    # branches: (false, true); the normalising one is the second
+    assert len(branch) == len(before) == 2 and branch[1] < 0.75 * before[1], (branch, before)
+    assert C.program_cost(got) < C.program_cost(want)
+    monkeypatch.setenv("JSBP_PLANNER", "global")
+    counts = jsbp.debug.count_collectives(planned, *args)
+    assert counts["reduce-scatter"] == 0 and counts["all-reduce"] == 2, counts
+    ref = jax.jit(fn)(*vals)
+    np.testing.assert_allclose(planned(*args).numpy(), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(planned(*(gt(-vals[0], P2x2, ("B", "B")),) + args[1:]).numpy(),
+                               jax.jit(fn)(-vals[0], *vals[1:]), rtol=1e-5, atol=1e-6)
