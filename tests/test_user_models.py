@@ -407,3 +407,320 @@ def test_lora_frozen_base(layout):
             np.testing.assert_array_equal(v, init[k], err_msg=k)
     moments = [jflax.path_str(p) for p, _ in nnx.to_flat_state(nnx.state(got[2].opt_state))]
     assert not any("kernel" in m or "bias" in m for m in moments), moments
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Gemma-style decoder: layers stacked with nnx.split_rngs + nnx.vmap, run with nnx.scan;
+#    RMSNorm, GeGLU, nnx.Einsum with sharding metadata, tied embedding, logit soft-capping
+# 6. sequence packing: segment ids in the attention mask, per-segment positions, a loss masked by
+#    padding weights and normalised by the global count of real tokens
+# ------------------------------------------------------------------------------------------------
+
+VOCAB, SEQ, D, HEADS, HD, FF, LAYERS = 32, 8, 16, 4, 4, 32, 2
+ACT = ("batch", "seq", "embed")
+
+
+class GemmaLayer(nnx.Module):
+    def __init__(self, *, rngs):
+        self.pre_attn_norm = nnx.RMSNorm(D, rngs=rngs)
+        self.qkv = nnx.Einsum(
+            "BTD,SNDH->SBTNH",
+            (3, HEADS, D, HD),
+            kernel_init=part(normal, None, "heads", "embed", "kv"),
+            rngs=rngs,
+        )
+        self.attn_out = nnx.Einsum(
+            "BTNH,NHD->BTD",
+            (HEADS, HD, D),
+            kernel_init=part(normal, "heads", "kv", "embed"),
+            rngs=rngs,
+        )
+        self.pre_ffw_norm = nnx.RMSNorm(D, rngs=rngs)
+        self.gating = nnx.Einsum(
+            "BTD,GDF->GBTF", (2, D, FF), kernel_init=part(normal, None, "embed", "mlp"), rngs=rngs
+        )
+        self.linear = nnx.Einsum(
+            "BTF,FD->BTD", (FF, D), kernel_init=part(normal, "mlp", "embed"), rngs=rngs
+        )
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x, mask):
+        h = jflax.constrain(self.pre_attn_norm(x), ACT)
+        q, k, v = self.qkv(h)
+        logits = jnp.einsum("BTNH,BSNH->BNTS", q, k) * HD**-0.5
+        logits = jnp.where(mask[:, None], logits, -2.3819763e38)  # Gemma's K_MASK
+        enc = jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(logits, axis=-1), v)
+        x = x + jflax.constrain(self.attn_out(enc), ACT)
+        h = jflax.constrain(self.pre_ffw_norm(x), ACT)
+        gate, up = self.gating(h)
+        x = x + jflax.constrain(self.dropout(self.linear(nnx.gelu(gate) * up)), ACT)
+        return x
+
+
+class Gemma(nnx.Module):
+    def __init__(self, *, rngs):
+        self.embedder = nnx.Embed(
+            VOCAB, D, embedding_init=part(normal, "vocab", "embed"), rngs=rngs
+        )
+        self.pos = nnx.Embed(SEQ, D, embedding_init=normal, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(axis_size=LAYERS, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def create(rngs):
+            return GemmaLayer(rngs=rngs)
+
+        self.layers = create(rngs)
+        self.final_norm = nnx.RMSNorm(D, rngs=rngs)
+
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        t = tokens.shape[1]
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t), tokens.shape)
+        x = self.embedder(tokens) * jnp.sqrt(D).astype(jnp.float32) + self.pos(positions)
+        x = jflax.constrain(x, ACT)
+        mask = jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, layer):
+            return layer(x, mask)
+
+        x = body(x, self.layers)
+        logits = self.embedder.attend(self.final_norm(x))
+        return jnp.tanh(logits / 30.0) * 30.0  # Gemma 2's final logit soft-capping
+
+
+def tokens(seed, batch=BATCH, seq=SEQ + 1):
+    rng = np.random.default_rng(seed)
+    start = rng.integers(0, VOCAB, size=(batch, 1))
+    steps = rng.integers(1, 4, size=(batch, seq - 1))
+    return (np.concatenate([start, start + np.cumsum(steps, axis=1)], axis=1) % VOCAB).astype(
+        np.int32
+    )
+
+
+def lm_loss(model, batch):
+    logits = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
+def test_gemma_scanned_decoder(layout):
+    batches = [tokens(i) for i in range(STEPS)]
+    got, ref = check(_eager(Gemma), lm_loss, batches, lambda: optax.adamw(1e-2), layout)
+    # every layer's dropout stream advanced once per step, as on one device
+    counts = nnx.state(got[1], nnx.RngCount)
+    ref_counts = nnx.state(ref[1], nnx.RngCount)
+    assert len(nnx.to_flat_state(counts)) == len(nnx.to_flat_state(ref_counts)) > 0
+    for (p, a), (_, b) in zip(nnx.to_flat_state(counts), nnx.to_flat_state(ref_counts)):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), str(p))
+
+
+def packed(seed, batch=BATCH, seq=SEQ):
+    """Rows packing 1-3 documents, then padding (segment 0): tokens, targets, segment ids,
+    per-segment positions and loss weights (0 on padding), as packed pre-training data carries."""
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, VOCAB, size=(batch, seq + 1)).astype(np.int32)
+    seg = np.zeros((batch, seq), np.int32)
+    pos = np.zeros((batch, seq), np.int32)
+    for r in range(batch):
+        t, s = 0, 1
+        end = int(rng.integers(seq // 2, seq + 1))  # the rest is padding
+        while t < end:
+            n = min(int(rng.integers(2, 5)), end - t)
+            seg[r, t : t + n], pos[r, t : t + n] = s, np.arange(n)
+            t, s = t + n, s + 1
+    weights = (seg > 0).astype(np.float32)
+    return toks[:, :-1], toks[:, 1:], seg, pos, weights
+
+
+def packed_loss(model, batch):
+    x, y, seg, pos, w = batch
+    logits = model(x, segment_ids=seg, positions=pos)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)  # the global count of real tokens
+
+
+@pytest.mark.parametrize("layout", layouts("dp8"))
+def test_sequence_packing_segment_ids(layout):
+    batches = [packed(i) for i in range(STEPS)]
+    # the rows hold different numbers of real tokens: a per-device mean would differ
+    assert len({int(r.sum()) for r in batches[0][4]}) > 1
+    check(_eager(Gemma), packed_loss, batches, lambda: optax.adam(1e-2), layout)
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. ResNet blocks with BatchNorm (train, then eval with model.eval()), ConvTranspose, residual
+#    adds and a U-Net skip concatenation
+# ------------------------------------------------------------------------------------------------
+
+IMG, CIN, CH, CLASSES = 8, 3, 8, 5
+
+
+class ResBlock(nnx.Module):
+    def __init__(self, ch, *, rngs):
+        conv = lambda: nnx.Conv(  # noqa: E731
+            ch, ch, (3, 3), padding="SAME", use_bias=False,
+            kernel_init=part(lecun, None, None, None, "conv"), rngs=rngs,
+        )  # fmt: skip
+        self.conv1, self.bn1 = conv(), nnx.BatchNorm(ch, momentum=0.9, rngs=rngs)
+        self.conv2, self.bn2 = conv(), nnx.BatchNorm(ch, momentum=0.9, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.bn1(self.conv1(x)))
+        return nnx.relu(x + self.bn2(self.conv2(h)))
+
+
+class UNet(nnx.Module):
+    def __init__(self, *, rngs):
+        self.stem = nnx.Conv(CIN, CH, (3, 3), padding="SAME", use_bias=False, rngs=rngs)
+        self.stem_bn = nnx.BatchNorm(CH, momentum=0.9, rngs=rngs)
+        self.down = nnx.Conv(CH, 2 * CH, (3, 3), strides=(2, 2), padding="SAME", rngs=rngs)
+        self.mid = nnx.List([ResBlock(2 * CH, rngs=rngs) for _ in range(2)])
+        self.up = nnx.ConvTranspose(2 * CH, CH, (2, 2), strides=(2, 2), rngs=rngs)
+        self.fuse = nnx.Conv(2 * CH, CH, (3, 3), padding="SAME", rngs=rngs)
+        self.head = nnx.Conv(CH, CLASSES, (1, 1), rngs=rngs)
+
+    def __call__(self, x):
+        x = jflax.constrain(x, ("batch", None, None, None))
+        skip = nnx.relu(self.stem_bn(self.stem(x)))
+        h = nnx.relu(self.down(skip))
+        for blk in self.mid:
+            h = blk(h)
+        h = self.up(h)
+        h = jnp.concatenate([h, skip], axis=-1)  # the U-Net skip connection
+        return self.head(nnx.relu(self.fuse(h)))
+
+
+def segmentation(seed, n=BATCH):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, IMG, IMG, CIN)).astype(np.float32)
+    y = (np.abs(x).argmax(-1) + (x.sum(-1) > 0) * 2).astype(np.int32) % CLASSES
+    return x, y
+
+
+def seg_loss(model, batch):
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+@pytest.mark.parametrize("layout", layouts("dp8"))
+def test_resnet_unet_batchnorm_train_then_eval(layout):
+    batches = [segmentation(i) for i in range(STEPS)]
+    got, ref = check(_eager(UNet), seg_loss, batches, lambda: optax.adam(1e-2), layout)
+    # the running statistics are those of the global batches
+    stats_g = {
+        jflax.path_str(p): np.asarray(v.get_value())
+        for p, v in nnx.to_flat_state(nnx.state(got[1], nnx.BatchStat))
+    }
+    stats_r = {
+        jflax.path_str(p): np.asarray(v.get_value())
+        for p, v in nnx.to_flat_state(nnx.state(ref[1], nnx.BatchStat))
+    }
+    assert stats_g.keys() == stats_r.keys() and stats_g
+    for k in stats_r:
+        np.testing.assert_allclose(stats_g[k], stats_r[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    # an eval step: model.eval() (BatchNorm's use_running_average), on the placement
+    x, y = segmentation(10)
+    ref_model = ref[1]
+    ref_model.eval()
+    want = float(nnx.jit(seg_loss)(ref_model, (jnp.asarray(x), jnp.asarray(y))))
+    strat = strategy(layout)
+    model = jflax.shard(got[1], strat)
+    model.eval()
+    batch = jflax.make_train_step(seg_loss, strat).put_batch((x, y))
+    with jflax.use_strategy(strat):
+        loss = jsbp.jit(seg_loss)(model, batch)
+    np.testing.assert_allclose(_value(loss), want, rtol=LOSS_RTOL)
+    # eval mode left the statistics alone
+    after = nnx.state(jflax.gather(model), nnx.BatchStat)
+    for p, v in nnx.to_flat_state(after):
+        np.testing.assert_array_equal(np.asarray(v.get_value()), stats_g[jflax.path_str(p)])
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. dynamic loss scaling: scale the loss, unscale the gradients, skip the update (and back the
+#    scale off) when the gradients are not finite
+# ------------------------------------------------------------------------------------------------
+
+
+class MLP(nnx.Module):
+    def __init__(self, *, rngs):
+        self.fc1 = nnx.Linear(PIX, HID, kernel_init=part(lecun, None, "mlp"), rngs=rngs)
+        self.fc2 = nnx.Linear(HID, PIX, kernel_init=part(lecun, "mlp", None), rngs=rngs)
+
+    def __call__(self, x):
+        x = jflax.constrain(x, ("batch", None))
+        return self.fc2(nnx.gelu(self.fc1(x)))
+
+
+class LossScale(nnx.Module):
+    def __init__(self, scale):
+        self.scale = nnx.Variable(jnp.asarray(scale, jnp.float32))
+        self.skipped = nnx.Variable(jnp.asarray(0, jnp.int32))
+
+
+# so large that the squared gradient norm overflows float32 on the first step: that step is
+# skipped and the scale backed off (by 2**-90, to reach a safe scale at once); then it grows 2x
+SCALE0, BACKOFF, GROWTH = 2.0**100, 2.0**-90, 2.0
+
+
+def scaled_update(model, optimizer, ls, batch):
+    def scaled_loss(model):
+        loss = lora_loss(model, batch)
+        return loss * ls.scale[...], loss
+
+    scaled_grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)
+    finite = jnp.isfinite(optax.tree.norm(scaled_grads))
+    grads = jax.tree.map(lambda g: g / ls.scale[...], scaled_grads)
+    before = nnx.state((model, optimizer))
+    optimizer.update(model, grads)
+    after = nnx.state((model, optimizer))
+    nnx.update(
+        (model, optimizer), jax.tree.map(lambda a, b: jnp.where(finite, a, b), after, before)
+    )
+    ls.scale[...] = jnp.where(finite, ls.scale[...] * GROWTH, ls.scale[...] * BACKOFF)
+    ls.skipped[...] += jnp.where(finite, 0, 1)
+    return loss
+
+
+def _scaled_objects():
+    model = _eager(MLP)(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param), LossScale(SCALE0)
+
+
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
+def test_dynamic_loss_scaling_skips_non_finite(layout):
+    batches = [regression(i) for i in range(STEPS)]
+    ref = _scaled_objects()
+    ref_step = nnx.jit(scaled_update)
+    ref_losses = [float(ref_step(*ref, jax.tree.map(jnp.asarray, b))) for b in batches]
+    assert int(ref[2].skipped[...]) == 1  # the first step was skipped on one device
+
+    strat = strategy(layout)
+    objs = jflax.shard(_scaled_objects(), strat)
+    gdef, state = nnx.split(objs)
+
+    @jsbp.jit
+    def step(state, batch):
+        objs = nnx.merge(gdef, state)
+        loss = scaled_update(*objs, batch)
+        return nnx.state(objs), loss
+
+    put = jflax.make_train_step(lora_loss, strat).put_batch
+    losses = []
+    with jflax.use_strategy(strat), warnings.catch_warnings():
+        warnings.simplefilter("error", jsbp.NoRuleWarning)
+        for b in batches:
+            state, loss = step(state, put(b))
+            losses.append(_value(loss))
+    nnx.update(objs, state)
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, atol=0)
+    ls = jflax.gather(objs[2])
+    assert int(np.asarray(ls.skipped.get_value())) == 1
+    assert float(np.asarray(ls.scale.get_value())) == float(ref[2].scale[...])
+    assert int(np.asarray(jflax.gather(objs[1]).step.get_value())) == int(ref[1].step[...])
+    assert_close_params(
+        params_of(jflax.gather(objs[0])), params_of(ref[0]), params_of(_scaled_objects()[0])
+    )
