@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optax.contrib
 import pytest
 from flax import nnx
 
@@ -302,6 +303,43 @@ def test_gan_two_models_two_optimizers(layout):
     # the optimizer states advanced once per step each
     for o in (objs_g[2], objs_g[3]):
         assert int(np.asarray(jflax.gather(o).step.get_value())) == STEPS
+
+
+class Critic(nnx.Module):
+    """A WGAN critic: no bias on the output (the Wasserstein loss's gradient for it is exactly zero,
+    and Adam would amplify its rounding noise)."""
+
+    def __init__(self, *, rngs):
+        self.fc1 = nnx.Linear(PIX, HID, kernel_init=part(lecun, None, "mlp"), rngs=rngs)
+        self.fc2 = nnx.Linear(
+            HID, 1, use_bias=False, kernel_init=part(lecun, "mlp", None), rngs=rngs
+        )
+
+    def __call__(self, x):
+        x = jflax.constrain(x, ("batch", None))
+        return self.fc2(nnx.tanh(self.fc1(x)))[:, 0]
+
+
+def wgan_gp_loss(critic, batch):
+    """WGAN-GP: the gradient penalty differentiates the critic's per-example input gradients
+    (second-order autodiff through the model, ``jax.vmap(jax.grad(...))`` over the batch)."""
+    real, fake, eps = batch
+    mix = eps[:, None] * real + (1 - eps[:, None]) * fake
+    g = jax.vmap(jax.grad(lambda x: critic(x[None])[0]))(mix)
+    gp = jnp.mean((jnp.sqrt(jnp.sum(g**2, axis=-1) + 1e-12) - 1.0) ** 2)
+    return critic(fake).mean() - critic(real).mean() + 10.0 * gp
+
+
+def critic_batch(seed):
+    rng = np.random.default_rng(seed)
+    real, fake = rng.normal(size=(2, BATCH, PIX)).astype(np.float32)
+    return real, np.tanh(fake), rng.random(BATCH).astype(np.float32)
+
+
+@pytest.mark.parametrize("layout", layouts("dp8"))
+def test_wgan_gradient_penalty(layout):
+    batches = [critic_batch(i) for i in range(STEPS)]
+    check(_eager(Critic), wgan_gp_loss, batches, lambda: optax.adam(1e-2), layout)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -724,3 +762,28 @@ def test_dynamic_loss_scaling_skips_non_finite(layout):
     assert_close_params(
         params_of(jflax.gather(objs[0])), params_of(ref[0]), params_of(_scaled_objects()[0])
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. optimizers whose state is not shaped like the parameters: optax.adafactor's factored second
+#    moments (T5 / big_vision), novograd's per-layer scalars; and state leaves that are not one
+#    array: muon's masked adam branch (optax.MaskedNode), sm3's list of accumulators. Flax copies
+#    each parameter's sharding metadata onto every state leaf of that parameter.
+# ------------------------------------------------------------------------------------------------
+
+FACTORED = {
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+    "novograd": lambda: optax.novograd(1e-2),
+    "muon": lambda: optax.contrib.muon(1e-2),
+    "sm3": lambda: optax.sm3(1e-2),
+}
+
+
+@pytest.mark.parametrize("tx", sorted(FACTORED))
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
+def test_optimizer_state_shaped_unlike_parameters(layout, tx):
+    batches = [regression(i) for i in range(STEPS)]
+    got, _ = check(_eager(MLP), lora_loss, batches, FACTORED[tx], layout)
+    if tx == "adafactor":  # the factored row / column statistics of fc1's kernel
+        v_row = nnx.state(got[2].opt_state)[0]["v_row"]["fc1"]["kernel"].get_value()
+        assert np.shape(v_row) == (PIX,)
