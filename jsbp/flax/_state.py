@@ -100,8 +100,9 @@ def leaf_layouts(flat: Sequence[tuple[Path, Any]], strategy: Strategy) -> dict[P
                     else:  # its parameter's names (Flax copies them) describe other dims
                         names = None
                     break
+            # a copy of a parameter's metadata on a smaller leaf (adafactor's v_row)
             if names is not None and _meta_rank(names) > len(shape):
-                names = None  # a copy of a parameter's metadata on a smaller leaf (adafactor's v_row)
+                names = None
         if is_key_dtype(getattr(_value(var), "dtype", None)):  # RNG keys: always B, never split
             out[path] = LeafLayouts(kind, b, b, b)
             continue
