@@ -342,6 +342,53 @@ def test_wgan_gradient_penalty(layout):
     check(_eager(Critic), wgan_gp_loss, batches, lambda: optax.adam(1e-2), layout)
 
 
+class SNCritic(nnx.Module):
+    """An SN-GAN style discriminator: ``nnx.SpectralNorm`` (power iteration, its ``u`` / ``sigma``
+    in ``batch_stats``) and ``nnx.WeightNorm`` (its scales a plain array in the module), both of
+    which write the normalised kernel back into the wrapped layer during the forward pass (as
+    ``nnx.grad`` writes it back, so must the step); a plain array attribute as a constant."""
+
+    def __init__(self, *, rngs):
+        self.fc1 = nnx.SpectralNorm(
+            nnx.Linear(PIX, HID, kernel_init=part(lecun, None, "mlp"), rngs=rngs), rngs=rngs
+        )
+        self.fc2 = nnx.WeightNorm(
+            nnx.Linear(HID, 1, use_bias=False, kernel_init=part(lecun, "mlp", None), rngs=rngs),
+            rngs=rngs,
+        )
+        self.gain = jnp.linspace(0.5, 1.5, PIX)  # a plain array: NNX keeps it in the state
+
+    def __call__(self, x):
+        x = jflax.constrain(x * self.gain, ("batch", None))
+        return self.fc2(nnx.leaky_relu(self.fc1(x, update_stats=True), 0.2))[:, 0]
+
+
+def hinge_critic_loss(critic, batch):
+    real, fake, _ = batch
+    return jnp.mean(nnx.relu(1.0 - critic(real))) + jnp.mean(nnx.relu(1.0 + critic(fake)))
+
+
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
+def test_spectral_and_weight_norm_critic(layout):
+    batches = [critic_batch(i) for i in range(STEPS)]
+    got, ref = check(_eager(SNCritic), hinge_critic_loss, batches, lambda: optax.sgd(0.1), layout)
+    # the power iteration's state and the plain array came through as on one device
+    for kind in (nnx.BatchStat,):
+        g = {
+            jflax.path_str(p): np.asarray(v.get_value())
+            for p, v in nnx.to_flat_state(nnx.state(got[1], kind))
+        }
+        r = {
+            jflax.path_str(p): np.asarray(v.get_value())
+            for p, v in nnx.to_flat_state(nnx.state(ref[1], kind))
+        }
+        assert g.keys() == r.keys() and g
+        for k in r:
+            np.testing.assert_allclose(g[k], r[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    assert isinstance(got[1].gain, jax.Array)
+    np.testing.assert_array_equal(np.asarray(got[1].gain), np.asarray(ref[1].gain))
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. CLIP-style contrastive loss: the similarity matrix of the whole global batch
 # ------------------------------------------------------------------------------------------------

@@ -46,7 +46,20 @@ def _names(var):
 
 
 def _value(var):
-    return var.get_value() if hasattr(var, "get_value") else var.value
+    """A state leaf's value: a ``Variable``'s, or the leaf itself when a module holds a plain array
+    (``self.freqs = jnp.arange(...)``, ``nnx.WeightNorm``'s scales)."""
+    if hasattr(var, "get_value"):
+        return var.get_value()
+    return var.value if isinstance(var, nnx.Variable) else var
+
+
+def _is_var(var) -> bool:
+    return isinstance(var, nnx.Variable)
+
+
+def _replace(var, value):
+    """``var`` holding ``value`` (a plain array leaf is replaced by ``value`` itself)."""
+    return var.replace(value) if _is_var(var) else value
 
 
 def _shape(value) -> tuple[int, ...]:
@@ -152,7 +165,12 @@ def shard(tree, strategy: Strategy):
     flat = list(nnx.to_flat_state(state))
     lays = leaf_layouts(flat, strategy)
     plc = strategy.placement
-    new = [(path, var.replace(_put(_value(var), plc, lays[path].stored))) for path, var in flat]
+    # a plain array a module holds (not a Variable) stays a plain array: NNX would split a
+    # GlobalTensor attribute as a pytree node; inside a step it is a constant, B
+    new = [
+        (path, var.replace(_put(_value(var), plc, lays[path].stored)) if _is_var(var) else var)
+        for path, var in flat
+    ]
     return _join(graphdef, nnx.from_flat_state(new))
 
 
@@ -162,7 +180,7 @@ def gather(tree):
     flat = list(nnx.to_flat_state(state))
     new = []
     for path, var in flat:
-        new.append((path, var.replace(jax.tree.map(_plain, _value(var), is_leaf=_is_global))))
+        new.append((path, _replace(var, jax.tree.map(_plain, _value(var), is_leaf=_is_global))))
     return _join(graphdef, nnx.from_flat_state(new))
 
 
