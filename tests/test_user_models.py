@@ -834,3 +834,26 @@ def test_optimizer_state_shaped_unlike_parameters(layout, tx):
     if tx == "adafactor":  # the factored row / column statistics of fc1's kernel
         v_row = nnx.state(got[2].opt_state)[0]["v_row"]["fc1"]["kernel"].get_value()
         assert np.shape(v_row) == (PIX,)
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. mixup: partners drawn from the whole global batch, a Beta-distributed weight
+# ------------------------------------------------------------------------------------------------
+
+
+def mixup_loss(model, batch, rngs):
+    """mixup: every example mixed with a random partner from the whole global batch (a random
+    permutation of the batch dim), weight drawn from Beta(0.4, 0.4) (``random_gamma``)."""
+    x, t = batch
+    perm = jax.random.permutation(rngs.mix(), x.shape[0])
+    lam = jax.random.beta(rngs.mix(), 0.4, 0.4)
+    xm, tm = lam * x + (1 - lam) * x[perm], lam * t + (1 - lam) * t[perm]
+    return jnp.mean((model(xm) - tm) ** 2)
+
+
+@pytest.mark.parametrize("layout", layouts("dp8"))
+def test_mixup_across_the_global_batch(layout):
+    batches = [regression(i) for i in range(STEPS)]
+    # check() turns a NoRuleWarning into an error: random_gamma has a rule
+    check(_eager(MLP), mixup_loss, batches, lambda: optax.adam(1e-2), layout,
+          rngs_fn=lambda: nnx.Rngs(mix=5))  # fmt: skip
