@@ -6,7 +6,11 @@ in plain Flax / optax (``nnx.jit``, no jsbp).
 Idioms: a VAE with the reparameterisation trick (call-time ``rngs.noise()``), a GAN step updating
 two models with two optimizers, a CLIP-style contrastive loss over the global batch, LoRA
 fine-tuning with a frozen base, a Gemma-style scanned decoder stack, sequence packing with segment
-ids, a ResNet / U-Net with BatchNorm (train, then eval), and dynamic loss scaling.
+ids, a ResNet / U-Net with BatchNorm (train, then eval), dynamic loss scaling; then WGAN-GP
+(second-order autodiff), an SN-GAN critic (``nnx.SpectralNorm`` / ``nnx.WeightNorm`` assign the
+normalised kernel in the forward), optimizers whose state is not shaped like the parameters
+(adafactor, novograd, muon, sm3) and mixup across the global batch (``jax.random.beta``).
+Each default run keeps one layout per idiom (the other is ``slow``: JSBP_FULL=1).
 """
 
 from __future__ import annotations
