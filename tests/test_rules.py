@@ -367,6 +367,11 @@ case("random_bits", lambda k: jax.random.bits(k, UNEVEN), key())
 case("random_bits", lambda k: jax.random.bits(k, EVEN), key())
 case("random_bits", lambda k: jax.vmap(lambda kk: jax.random.bits(kk, (3, 5)))(k), key(7))
 case("random_bits", lambda k: jax.vmap(lambda kk: jax.random.bits(kk, (8,), jnp.uint8))(k), key(8))
+case("random_gamma", lambda k, a: jax.random.gamma(k, a), key(), f32(*UNEVEN, dom="pos"))
+case("random_gamma", lambda k, a: jax.vmap(lambda kk, aa: jax.random.gamma(kk, aa))(k, a),
+     key(7), f32(7, 3, dom="pos"))
+case("random_gamma", lambda k, a: jax.vmap(lambda kk, aa: jax.random.beta(kk, aa, aa))(k, a),
+     key(8), f32(8, 2, dom="pos"))
 case("random_split", lambda k: jax.random.split(k, 3), key())
 case("random_fold_in", lambda k, d: jax.random.fold_in(k, d), key(), u32())
 case("random_wrap", lambda d: jax.random.wrap_key_data(d), u32(7, 2))

@@ -46,11 +46,30 @@ def _names(var):
 
 
 def _value(var):
-    return var.get_value() if hasattr(var, "get_value") else var.value
+    """A state leaf's value: a ``Variable``'s, or the leaf itself when a module holds a plain array
+    (``self.freqs = jnp.arange(...)``, ``nnx.WeightNorm``'s scales)."""
+    if hasattr(var, "get_value"):
+        return var.get_value()
+    return var.value if isinstance(var, nnx.Variable) else var
+
+
+def _is_var(var) -> bool:
+    return isinstance(var, nnx.Variable)
+
+
+def _replace(var, value):
+    """``var`` holding ``value`` (a plain array leaf is replaced by ``value`` itself)."""
+    return var.replace(value) if _is_var(var) else value
 
 
 def _shape(value) -> tuple[int, ...]:
     return tuple(np.shape(value))
+
+
+def _is_array(value) -> bool:
+    """Whether a ``Variable`` holds one array (else a pytree of them: optax's ``MaskedNode`` in
+    the state of ``optax.masked`` / ``multi_transform`` / muon, sm3's list of accumulators)."""
+    return isinstance(value, (GlobalTensor, jax.Array, np.ndarray, np.generic, int, float, complex))
 
 
 def leaf_layouts(flat: Sequence[tuple[Path, Any]], strategy: Strategy) -> dict[Path, LeafLayouts]:
@@ -76,25 +95,48 @@ def leaf_layouts(flat: Sequence[tuple[Path, Any]], strategy: Strategy) -> dict[P
     for path, var in params.items():
         base_of[path] = strategy.base_sbp(path_str(path), _shape(_value(var)), _names(var))
     out: dict[Path, LeafLayouts] = {}
+    b = (_sbp.broadcast,) * strategy.placement.ndim
     for path, var in flat:
         kind = _kind(var)
-        shape = _shape(_value(var))
-        base = base_of.get(path)
-        if kind == "opt" and shape:
-            for k in range(len(path) - 1):
-                p = by_suffix.get(path[k:])
-                if p is not None and _shape(_value(params[p])) == shape:
-                    base = base_of[p]
-                    break
-        if is_key_dtype(getattr(_value(var), "dtype", None)):  # RNG keys: always B, never split
-            b = (_sbp.broadcast,) * strategy.placement.ndim
+        if not _is_array(_value(var)):  # a pytree of arrays in one Variable: each leaf B
             out[path] = LeafLayouts(kind, b, b, b)
             continue
-        out[path] = strategy.leaf_layouts(kind, path_str(path), shape, _names(var), base=base)
+        shape = _shape(_value(var))
+        base = base_of.get(path)
+        names = _names(var)
+        if kind == "opt":
+            for k in range(len(path) - 1):
+                p = by_suffix.get(path[k:])
+                if p is not None:
+                    if _shape(_value(params[p])) == shape:
+                        base = base_of[p]
+                    else:  # its parameter's names (Flax copies them) describe other dims
+                        names = None
+                    break
+            # a copy of a parameter's metadata on a smaller leaf (adafactor's v_row)
+            if names is not None and _meta_rank(names) > len(shape):
+                names = None
+        if is_key_dtype(getattr(_value(var), "dtype", None)):  # RNG keys: always B, never split
+            out[path] = LeafLayouts(kind, b, b, b)
+            continue
+        out[path] = strategy.leaf_layouts(kind, path_str(path), shape, names, base=base)
     return out
 
 
+def _meta_rank(meta) -> int:
+    """How many dims an ``out_sharding`` metadata value names (0 when it names none)."""
+    if isinstance(meta, jax.sharding.Sharding):
+        meta = getattr(meta, "spec", None)
+    if meta is None:
+        return 0
+    if isinstance(meta, str):
+        return 1
+    return len(meta) if isinstance(meta, (tuple, list)) else 0
+
+
 def _put(value, placement, nd):
+    if not _is_array(value):  # a pytree of arrays (or none) in one Variable
+        return jax.tree.map(lambda x: _put(x, placement, nd), value)
     if isinstance(value, GlobalTensor):
         return value.to_global(placement=placement, sbp=nd)
     return tensor(value, placement=placement, sbp=nd)  # a typed PRNG key array becomes B
@@ -123,7 +165,12 @@ def shard(tree, strategy: Strategy):
     flat = list(nnx.to_flat_state(state))
     lays = leaf_layouts(flat, strategy)
     plc = strategy.placement
-    new = [(path, var.replace(_put(_value(var), plc, lays[path].stored))) for path, var in flat]
+    # a plain array a module holds (not a Variable) stays a plain array: NNX would split a
+    # GlobalTensor attribute as a pytree node; inside a step it is a constant, B
+    new = [
+        (path, var.replace(_put(_value(var), plc, lays[path].stored)) if _is_var(var) else var)
+        for path, var in flat
+    ]
     return _join(graphdef, nnx.from_flat_state(new))
 
 
@@ -133,16 +180,32 @@ def gather(tree):
     flat = list(nnx.to_flat_state(state))
     new = []
     for path, var in flat:
-        v = _value(var)
-        if isinstance(v, GlobalTensor):
-            v = v.numpy() if is_key_dtype(v.dtype) else jax.numpy.asarray(v.numpy())
-        new.append((path, var.replace(v)))
+        new.append((path, _replace(var, jax.tree.map(_plain, _value(var), is_leaf=_is_global))))
     return _join(graphdef, nnx.from_flat_state(new))
 
 
+def _is_global(x) -> bool:
+    return isinstance(x, GlobalTensor)
+
+
+def _plain(v):
+    if isinstance(v, GlobalTensor):
+        return v.numpy() if is_key_dtype(v.dtype) else jax.numpy.asarray(v.numpy())
+    return v
+
+
 def _flat_globals(tree):
+    """``(path, array)`` of every leaf; a Variable holding a pytree gives one per leaf."""
     _, state = _split(tree)
-    return [(path, _value(var)) for path, var in nnx.to_flat_state(state)]
+    out = []
+    for path, var in nnx.to_flat_state(state):
+        v = _value(var)
+        if _is_array(v):
+            out.append((path, v))
+            continue
+        for kp, leaf in jax.tree_util.tree_flatten_with_path(v, is_leaf=_is_global)[0]:
+            out.append((path + tuple(getattr(k, "idx", getattr(k, "key", k)) for k in kp), leaf))
+    return out
 
 
 def layouts(tree) -> dict[str, str]:

@@ -118,14 +118,17 @@ class TrainStep:
             def loss_of(params, rest, mb):
                 if zero3:
                     params = _map_flat(params, use)
+                before = {p: v.get_value() for p, v in nnx.to_flat_state(params)}
                 # fresh Variables at this trace level: the model may mutate non-Param state in
                 # place (BatchNorm statistics, RNG counts), returned below as the aux output
                 rest, rstate = jax.tree.map(lambda v: v, rest)
                 m = nnx.merge(mdef, params, rest)
                 if rdef is None:
-                    return loss_fn(m, mb), (nnx.state(m, nnx.Not(nnx.Param)), None)
-                r = nnx.merge(rdef, rstate)  # the call-time nnx.Rngs: its counts advance
-                return loss_fn(m, mb, r), (nnx.state(m, nnx.Not(nnx.Param)), nnx.state(r))
+                    loss, rout = loss_fn(m, mb), None
+                else:
+                    r = nnx.merge(rdef, rstate)  # the call-time nnx.Rngs: its counts advance
+                    loss, rout = loss_fn(m, mb, r), nnx.state(r)
+                return loss, (nnx.state(m, nnx.Not(nnx.Param)), rout, _assigned(before, m))
 
             return jax.value_and_grad(loss_of, has_aux=True)
 
@@ -150,13 +153,13 @@ class TrainStep:
             rest = (rest, rstate)
             grad_fn = make_grad_fn(mdef, rdef)
             if accum == 1:
-                (loss, rest), grads = grad_fn(params, rest, batch)
+                (loss, (*rest, assigned)), grads = grad_fn(params, rest, batch)
             else:
 
                 def body(carry, mb):
                     gsum, lsum, rest = carry
-                    (loss_mb, rest), g = grad_fn(params, rest, mb)
-                    return (jax.tree.map(jnp.add, gsum, g), lsum + loss_mb, rest), None
+                    (loss_mb, (*rest, assigned)), g = grad_fn(params, rest, mb)
+                    return (jax.tree.map(jnp.add, gsum, g), lsum + loss_mb, tuple(rest)), assigned
 
                 # start the sums in the layouts one micro-batch's gradients have (P under data
                 # parallelism), so they stay there through the loop and are reduced once after it
@@ -168,11 +171,13 @@ class TrainStep:
                     pin(jnp.zeros((), jnp.float32), l_nd),
                     rest,
                 )
-                (gsum, lsum, rest), _ = jax.lax.scan(body, init, batch)
+                (gsum, lsum, rest), assigned = jax.lax.scan(body, init, batch)
+                assigned = jax.tree.map(lambda a: a[-1], assigned)  # the last micro-batch's
                 grads = jax.tree.map(lambda g: g / accum, gsum)
                 loss = lsum / accum
             grads = _map_flat(grads, reduce_grad)
             nnx.update(model, rest[0])
+            nnx.update(model, assigned)  # parameters the loss assigned in place, as nnx.grad does
             if rngs:
                 nnx.update(rngs[0], rest[1])
             optimizer.update(model, grads)
@@ -267,7 +272,7 @@ class TrainStep:
         batch = self.put_batch(batch)
         fn = self._compiled(graphdef, state, batch)
         new_state, loss = fn(state, batch)
-        nnx.update(objs, new_state)
+        nnx.update(objs, _plain_arrays_back(state, new_state))
         return loss
 
     # -- reports ----------------------------------------------------------------------------
@@ -292,14 +297,18 @@ class TrainStep:
         from ._state import local_nbytes
 
         if self.strategy is None:
-            raise SbpError("memory: this step has no strategy (it runs on one device with plain jax.jit).")
+            raise SbpError(
+                "memory: this step has no strategy (it runs on one device with plain jax.jit)."
+            )
         _, graphdef, state = self._split(model, optimizer, rngs)
         batch = self.put_batch(batch)
         out = {"state": max(local_nbytes((model, optimizer)) or [0])}
         out.update(measured_bytes(self._compiled(graphdef, state, batch), state, batch))
         report = self.strategy.report
         if report is not None:
-            out.update(predicted=report.chosen.estimate.peak_bytes, predicted_state=report.state_bytes)
+            out.update(
+                predicted=report.chosen.estimate.peak_bytes, predicted_state=report.state_bytes
+            )
         return out
 
     def count_collectives(self, model, optimizer, batch, rngs=None) -> dict[str, int]:
@@ -309,6 +318,33 @@ class TrainStep:
         _, graphdef, state = self._split(model, optimizer, rngs)
         batch = self.put_batch(batch)
         return count_collectives(self._compiled(graphdef, state, batch), state, batch)
+
+
+def _assigned(before: dict, model) -> nnx.State:
+    """The parameters ``model``'s forward assigned in place (``nnx.SpectralNorm`` /
+    ``nnx.WeightNorm`` write the normalised kernel back into the layer): ``nnx.grad`` writes such
+    assignments back into the model before the optimizer reads it, so the step does too. Only
+    the assigned leaves (a trace-time identity test), so the others keep their stored layouts."""
+    out = [
+        (p, v)
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if p in before and v.get_value() is not before[p]
+    ]
+    return nnx.from_flat_state(out)
+
+
+def _plain_arrays_back(state, new_state):
+    """``new_state`` with the plain arrays a module holds (attributes that are no ``Variable``:
+    ``self.freqs = jnp.arange(...)``, ``nnx.WeightNorm``'s scales) plain again: the step returns
+    them as B global tensors, and NNX would split a GlobalTensor attribute as a pytree node."""
+    raw = {p for p, v in nnx.to_flat_state(state) if not isinstance(v, nnx.Variable)}
+    if not raw:
+        return new_state
+    flat = [
+        (p, jnp.asarray(v.numpy()) if p in raw and _is_global(v) else v)
+        for p, v in nnx.to_flat_state(new_state)
+    ]
+    return nnx.from_flat_state(flat)
 
 
 def _put_rngs(state, strategy):

@@ -2,7 +2,8 @@
 
 Deriving keys (``random_seed``, ``random_split``, ``random_fold_in``) and ``rng_bit_generator``
 run whole on every device (B); a consumer that wants the value split slices it for free (B -> S).
-Pure re-interpretations of key data (``random_wrap``, ``random_unwrap``, ``random_clone``) and the
+``random_gamma`` keeps splits of its batch of keys (with the matching dims of its shapes). Pure
+re-interpretations of key data (``random_wrap``, ``random_unwrap``, ``random_clone``) and the
 elementwise hash ``threefry2x32`` keep splits.
 
 ``random_bits`` keeps the splits of a batch of keys, and with JAX's partitionable threefry (the
@@ -37,6 +38,17 @@ KEY_DATA = ("random_wrap", "random_unwrap", "random_clone")
 @register_sbp_rule(*WHOLE)
 def _random(ctx):
     yield (B,) * len(ctx.in_avals), (B,) * len(ctx.out_avals)
+
+
+@register_sbp_rule("random_gamma")
+def _gamma(ctx):
+    # random_gamma(keys, a): keys are a's leading dims (a batch), each key split into one key per
+    # element of its trailing block of a (jax.random.gamma / beta / dirichlet). Splitting a key
+    # dim with a keeps every key with its own block: the same values as one device. A split of
+    # the trailing dims would change how each key is divided, so those stay whole.
+    for d in range(len(ctx.in_shapes[0])):
+        yield (Split(d), Split(d)), (Split(d),)
+    yield (B, B), (B,)
 
 
 @register_sbp_rule(*KEY_DATA)
