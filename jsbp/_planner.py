@@ -38,7 +38,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import _sbp
-from ._boxing import _best
+from ._boxing import COLLECTIVE_LATENCY_BYTES, _best
+from ._combine import _KINDS, _PASS_ON
 
 _BCAST = _sbp.broadcast
 
@@ -59,6 +60,18 @@ STICKY_BYTES = 8192.0
 departs from today's only for a gain larger than this per changed equation, so that a few bytes
 do not swap one collective for another of the same count (an all-gather of an activation for
 the all-reduce of a small gradient) and plans keep the shape users expect."""
+
+COMBINED_MEMBER_BYTES = LOCAL_MOVE_BYTES
+"""What one more member of a combined collective costs beyond its bytes, charged in place of
+``COLLECTIVE_LATENCY_BYTES`` for a conversion that runs inside a combined collective (a single even
+reduce-scatter, all-gather or all-reduce, ``_COMBINED_KINDS``, of a value whose only reader hands
+it on: a ``to_global`` annotation, a ``transpose``, ``reshape`` or ``squeeze``; see
+``Value.combinable``).
+The group pays one latency whatever its size: costed a latency each, ZeRO's gradient
+reduce-scatters (two collectives in all once combined) looked dearer than all-gathering the
+activations that make them and computing the gradients whole on every device, which the compiled
+program runs as collectives of their own (zero-3 on ``tests/test_flax.py``'s GPT: 5 collectives
+instead of 2, twice the bytes)."""
 
 ANCHOR_BYTES = float(1 << 40)
 """Charged for a conversion of a program input (parameter, optimizer state, batch) that needs a
@@ -114,9 +127,12 @@ class Value:
     uses: list = dataclasses.field(default_factory=list)  # (node index, operand index)
     shared: set = dataclasses.field(default_factory=set)  # fixed targets sharing the conversion cache
     own: list = dataclasses.field(default_factory=list)  # fixed targets each converting alone
-    # (src, dst) -> ``Problem.edge``, one table per (shape, itemsize, anchored), set on first use
+    # (src, dst) -> ``Problem.edge``, one table per (shape, itemsize, anchored, combinable), set on first use
     costs: dict | None = dataclasses.field(default=None, repr=False, compare=False)
     weight: float = 1.0  # how many values of the full problem this one stands for (``quotient``)
+    # its one reader hands it on in the top scope (``_combine.passes_on``): a single even
+    # reduce-scatter, all-gather or all-reduce of it runs combined (``COMBINED_MEMBER_BYTES``)
+    combinable: bool = False
 
 
 @dataclasses.dataclass
@@ -134,7 +150,8 @@ class Problem:
             return 0.0
         table = v.costs
         if table is None:
-            table = v.costs = self._cost_cache.setdefault(("edges", v.shape, v.itemsize, v.anchored), {})
+            key = ("edges", v.shape, v.itemsize, v.anchored, v.combinable)
+            table = v.costs = self._cost_cache.setdefault(key, {})
         hit = table.get((src, dst))
         if hit is None:
             # ``_compiler._moves_cost(plan(...))`` without building the moves, plus the
@@ -144,10 +161,34 @@ class Problem:
             # a local move (slice, zero-fill) is an op of its own that copies at least the
             # smallest piece: not free
             cost += sum(LOCAL_MOVE_BYTES + total / math.prod(self.hierarchy) for m in path if not m.collective)
+            if v.combinable and _combined(path, src, dst, v.shape, self.hierarchy):
+                cost += COMBINED_MEMBER_BYTES - COLLECTIVE_LATENCY_BYTES
             if v.anchored and any(m.collective for m in path):
                 cost += ANCHOR_BYTES
             hit = table[(src, dst)] = cost
         return hit * v.weight
+
+
+_COMBINED_KINDS = (*_KINDS, "all-reduce")
+"""Collectives that run combined when their reader only hands the value on: reduce-scatters and
+all-gathers by ``_combine``, all-reduces by XLA's own combiner (on GPU; XLA:CPU runs them one by
+one). With all-reduces left out, the discounted reduce-scatter and all-gather made every
+data-parallel gradient all-reduce look dearer than reduce-scattering it, updating the shard and
+all-gathering the new parameter: a plan ``program_cost`` (a latency per collective) rejected
+whole, the solver's other gains with it."""
+
+
+def _combined(path, src, dst, shape, hier) -> bool:
+    """Whether the boxing ``path`` (``src`` -> ``dst``) runs inside a combined collective: one
+    reduce-scatter, all-gather or all-reduce between even layouts (``_combine._group_key``)."""
+    if len(path) != 1 or path[0].collective not in _COMBINED_KINDS or not math.prod(shape):
+        return False
+    for nd in (src, dst):
+        for d, n in enumerate(shape):
+            ways = math.prod(size for x, size in zip(nd, hier) if x.is_split and x.dim == d)
+            if n % ways:
+                return False
+    return True
 
 
 def _flops(eqn) -> float:
@@ -188,6 +229,8 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
     hier = inf.placement.hierarchy
     nodes: list[Node] = []
     values: dict = {}
+    readers: Counter = Counter()  # value key -> how many steps read it
+    kept: set = set()  # value keys some reader does not hand on in the top scope
     work: dict = {}  # id(candidates) -> (candidates, ``_work``): equal equations share their list
 
     def value(v, nd=None):
@@ -207,14 +250,19 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
         if val.producer is None and val.nd is None:
             val.nd = nd
 
-    def walk(p):
+    def read_by(k, eqn, passes_on):
+        readers[k] += 1
+        if not (passes_on and len(eqn.invars) == 1):
+            kept.add(k)
+
+    def walk(p, top=True):
         for v in p.jaxpr.constvars:
             fixed_value(v, _b(hier))
         for v, lay in zip(p.jaxpr.invars, p.in_layouts):
             fixed_value(v, lay.nd_sbp)
         for st in p.steps:
             if st.kind == "call":
-                walk(st.sub)
+                walk(st.sub, False)
             elif st.kind == "prim" and id(st.eqn) in traced:
                 _, eqn, cur, cands = traced[id(st.eqn)]
                 u = len(nodes)
@@ -226,6 +274,7 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
                     k, val = value(v)
                     fixed_value(v, cur[i].nd_sbp)
                     val.uses.append((u, i))
+                    read_by(k, eqn, top and eqn.primitive.name in _PASS_ON)
                     operands.append(k)
                 outputs = []
                 for j, v in enumerate(eqn.outvars):
@@ -244,8 +293,9 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
                 for v, lay in zip(st.eqn.invars, st.in_layouts):
                     if isinstance(v, jcore.Literal):
                         continue
-                    _, val = value(v)
+                    k, val = value(v)
                     (val.shared.add if shared else val.own.append)(lay.nd_sbp)
+                    read_by(k, st.eqn, top and st.kind == "annotate")
                 for v, lay in zip(st.eqn.outvars, st.out_layouts):
                     fixed_value(v, lay.nd_sbp)
             # results with no producer of their own (an inlined call returning a literal)
@@ -259,6 +309,8 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
         if want is not None and not isinstance(v, jcore.Literal):
             _, val = value(v)
             val.own.append(tuple(want))
+    for k, val in values.items():
+        val.combinable = readers[k] == 1 and k not in kept and not val.own
     return Problem(hier, nodes, values)
 
 
