@@ -39,7 +39,6 @@ from jax.extend import core as jcore
 
 from . import _sbp
 from ._boxing import COLLECTIVE_LATENCY_BYTES, _best
-from ._combine import _KINDS, _PASS_ON
 
 _BCAST = _sbp.broadcast
 
@@ -60,18 +59,6 @@ STICKY_BYTES = 8192.0
 departs from today's only for a gain larger than this per changed equation, so that a few bytes
 do not swap one collective for another of the same count (an all-gather of an activation for
 the all-reduce of a small gradient) and plans keep the shape users expect."""
-
-COMBINED_MEMBER_BYTES = LOCAL_MOVE_BYTES
-"""What one more member of a combined collective costs beyond its bytes, charged in place of
-``COLLECTIVE_LATENCY_BYTES`` for a conversion that runs inside a combined collective (a single even
-reduce-scatter, all-gather or all-reduce, ``_COMBINED_KINDS``, of a value whose only reader hands
-it on: a ``to_global`` annotation, a ``transpose``, ``reshape`` or ``squeeze``; see
-``Value.combinable``).
-The group pays one latency whatever its size: costed a latency each, ZeRO's gradient
-reduce-scatters (two collectives in all once combined) looked dearer than all-gathering the
-activations that make them and computing the gradients whole on every device, which the compiled
-program runs as collectives of their own (zero-3 on ``tests/test_flax.py``'s GPT: 5 collectives
-instead of 2, twice the bytes)."""
 
 ANCHOR_BYTES = float(1 << 40)
 """Charged for a conversion of a program input (parameter, optimizer state, batch) that needs a
@@ -127,12 +114,9 @@ class Value:
     uses: list = dataclasses.field(default_factory=list)  # (node index, operand index)
     shared: set = dataclasses.field(default_factory=set)  # fixed targets sharing the conversion cache
     own: list = dataclasses.field(default_factory=list)  # fixed targets each converting alone
-    # (src, dst) -> ``Problem.edge``, one table per (shape, itemsize, anchored, combinable), set on first use
+    # (src, dst) -> ``Problem.edge``, one table per (shape, itemsize, anchored), set on first use
     costs: dict | None = dataclasses.field(default=None, repr=False, compare=False)
     weight: float = 1.0  # how many values of the full problem this one stands for (``quotient``)
-    # its one reader hands it on in the top scope (``_combine.passes_on``): a single even
-    # reduce-scatter, all-gather or all-reduce of it runs combined (``COMBINED_MEMBER_BYTES``)
-    combinable: bool = False
 
 
 @dataclasses.dataclass
@@ -150,8 +134,7 @@ class Problem:
             return 0.0
         table = v.costs
         if table is None:
-            key = ("edges", v.shape, v.itemsize, v.anchored, v.combinable)
-            table = v.costs = self._cost_cache.setdefault(key, {})
+            table = v.costs = self._cost_cache.setdefault(("edges", v.shape, v.itemsize, v.anchored), {})
         hit = table.get((src, dst))
         if hit is None:
             # ``_compiler._moves_cost(plan(...))`` without building the moves, plus the
@@ -161,34 +144,10 @@ class Problem:
             # a local move (slice, zero-fill) is an op of its own that copies at least the
             # smallest piece: not free
             cost += sum(LOCAL_MOVE_BYTES + total / math.prod(self.hierarchy) for m in path if not m.collective)
-            if v.combinable and _combined(path, src, dst, v.shape, self.hierarchy):
-                cost += COMBINED_MEMBER_BYTES - COLLECTIVE_LATENCY_BYTES
             if v.anchored and any(m.collective for m in path):
                 cost += ANCHOR_BYTES
             hit = table[(src, dst)] = cost
         return hit * v.weight
-
-
-_COMBINED_KINDS = (*_KINDS, "all-reduce")
-"""Collectives that run combined when their reader only hands the value on: reduce-scatters and
-all-gathers by ``_combine``, all-reduces by XLA's own combiner (on GPU; XLA:CPU runs them one by
-one). With all-reduces left out, the discounted reduce-scatter and all-gather made every
-data-parallel gradient all-reduce look dearer than reduce-scattering it, updating the shard and
-all-gathering the new parameter: a plan ``program_cost`` (a latency per collective) rejected
-whole, the solver's other gains with it."""
-
-
-def _combined(path, src, dst, shape, hier) -> bool:
-    """Whether the boxing ``path`` (``src`` -> ``dst``) runs inside a combined collective: one
-    reduce-scatter, all-gather or all-reduce between even layouts (``_combine._group_key``)."""
-    if len(path) != 1 or path[0].collective not in _COMBINED_KINDS or not math.prod(shape):
-        return False
-    for nd in (src, dst):
-        for d, n in enumerate(shape):
-            ways = math.prod(size for x, size in zip(nd, hier) if x.is_split and x.dim == d)
-            if n % ways:
-                return False
-    return True
 
 
 def _flops(eqn) -> float:
@@ -229,8 +188,6 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
     hier = inf.placement.hierarchy
     nodes: list[Node] = []
     values: dict = {}
-    readers: Counter = Counter()  # value key -> how many steps read it
-    kept: set = set()  # value keys some reader does not hand on in the top scope
     work: dict = {}  # id(candidates) -> (candidates, ``_work``): equal equations share their list
 
     def value(v, nd=None):
@@ -250,19 +207,14 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
         if val.producer is None and val.nd is None:
             val.nd = nd
 
-    def read_by(k, eqn, passes_on):
-        readers[k] += 1
-        if not (passes_on and len(eqn.invars) == 1):
-            kept.add(k)
-
-    def walk(p, top=True):
+    def walk(p):
         for v in p.jaxpr.constvars:
             fixed_value(v, _b(hier))
         for v, lay in zip(p.jaxpr.invars, p.in_layouts):
             fixed_value(v, lay.nd_sbp)
         for st in p.steps:
             if st.kind == "call":
-                walk(st.sub, False)
+                walk(st.sub)
             elif st.kind == "prim" and id(st.eqn) in traced:
                 _, eqn, cur, cands = traced[id(st.eqn)]
                 u = len(nodes)
@@ -274,7 +226,6 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
                     k, val = value(v)
                     fixed_value(v, cur[i].nd_sbp)
                     val.uses.append((u, i))
-                    read_by(k, eqn, top and eqn.primitive.name in _PASS_ON)
                     operands.append(k)
                 outputs = []
                 for j, v in enumerate(eqn.outvars):
@@ -293,9 +244,8 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
                 for v, lay in zip(st.eqn.invars, st.in_layouts):
                     if isinstance(v, jcore.Literal):
                         continue
-                    k, val = value(v)
+                    _, val = value(v)
                     (val.shared.add if shared else val.own.append)(lay.nd_sbp)
-                    read_by(k, st.eqn, top and st.kind == "annotate")
                 for v, lay in zip(st.eqn.outvars, st.out_layouts):
                     fixed_value(v, lay.nd_sbp)
             # results with no producer of their own (an inlined call returning a literal)
@@ -309,8 +259,6 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
         if want is not None and not isinstance(v, jcore.Literal):
             _, val = value(v)
             val.own.append(tuple(want))
-    for k, val in values.items():
-        val.combinable = readers[k] == 1 and k not in kept and not val.own
     return Problem(hier, nodes, values)
 
 
@@ -947,7 +895,45 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
         if len(nxt.followed) == len(fixed):
             break  # every decision was followed: another round would solve the same problem
         inf, prog = nxt, new
-    return min(plans, key=lambda p: (p[0], -p[1]))[2]  # ties: the search's plan
+    # no costlier than the search's plan by ``program_cost``; among those, the cheapest once
+    # combined collectives are counted once (``combined_cost``); ties: the search's plan
+    ok = [p for p in plans if p[0] <= plans[0][0]]
+    return min(ok, key=lambda p: (combined_cost(p[2]), p[0], -p[1]))[2]
+
+
+def combined_cost(prog) -> float:
+    """``program_cost`` of ``prog`` as it will run: after ``_reduce_before_transposes`` and
+    ``combine_collectives`` (which ``infer`` applies anyway; both idempotent), a combined
+    collective pays its latency once for all its members.
+
+    ``program_cost`` (and the objective) charge every collective a latency, but ``_combine`` runs
+    the gradients' reduce-scatters (ZeRO-2/3) and the parameters' all-gathers (ZeRO-3) as a few
+    combined collectives. Ranked by ``program_cost`` alone, the global plan of ``tests/test_flax.py``'s
+    dp=8 GPT traded those for all-gathers (and an all-to-all) of activations, with the weight
+    gradients computed whole on every device: 5 compiled collectives instead of 2 under ZeRO-3,
+    25 instead of 22 under ZeRO-2, and ~1.7x the bytes. Discounting combinable conversions in the
+    objective instead made the solver propose plans that ``program_cost`` then rejected whole
+    (the DPxTP GPT step: 31 collectives instead of 29)."""
+    from ._compiler import _reduce_before_transposes, combine_collectives, iter_steps, subprograms
+
+    _reduce_before_transposes(prog)
+    combine_collectives(prog)
+    boxings = list(prog.out_boxings)
+    for _, st in iter_steps(prog):
+        boxings += st.boxings
+        for sub in subprograms(st):
+            boxings += sub.out_boxings
+    total, groups = 0.0, set()
+    for bx in boxings:
+        if bx.reused:
+            continue
+        for m in bx.moves:
+            total += m.bytes_per_device
+            if m.collective and (bx.group is None or bx.group not in groups):
+                total += COLLECTIVE_LATENCY_BYTES
+        if bx.group is not None:
+            groups.add(bx.group)
+    return total
 
 
 def _choice_of(prob: Problem, prog) -> list[int]:

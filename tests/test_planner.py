@@ -208,14 +208,15 @@ def test_repeated_layers_are_solved_once(monkeypatch):
     assert by_roles < 0.75 * direct and by_roles < 0.75 * search, (by_roles, direct, search)
 
 
-@pytest.mark.parametrize("zero", [0, 2, 3])
+@pytest.mark.parametrize("zero", [2, 3])
 def test_combined_gradient_collectives_are_not_traded_for_activation_gathers(zero, monkeypatch):
-    """examples/train_gpt.py's GPT on dp=8 (as ``tests/test_flax.py`` plans it). ``_combine`` runs
-    the gradients' reduce-scatters (ZeRO-2/3) as one collective, XLA the all-reduces; costed a
-    latency each, they looked dearer than all-gathering the activations that make them and
-    computing the weight gradients whole on every device: the global plan then had more
-    collectives (ZeRO-3: 5 instead of 2) and moved about twice the bytes. Now it plans as the
-    search does, and still matches one device."""
+    """examples/train_gpt.py's GPT on dp=8 under ZeRO-2 / ZeRO-3 (as ``tests/test_flax.py`` plans
+    it). ``_combine`` runs the gradients' reduce-scatters (and ZeRO-3's parameter all-gathers) as
+    one collective each; ``program_cost`` charges each a latency, so the global plan traded them
+    for all-gathers of activations and weight gradients computed whole on every device: more
+    collectives in the compiled program (ZeRO-3: 5 instead of 2) and ~1.7x the bytes. The global
+    plan is now ranked with combined collectives counted once (``_planner.combined_cost``): no
+    more collectives or bytes than the search's, and it still matches one device."""
     from _examples import load_example
     from flax import nnx
 
@@ -233,7 +234,7 @@ def test_combined_gradient_collectives_are_not_traded_for_activation_gathers(zer
 
     _, search_n, search_bytes = plan("")
     run, n, nbytes = plan("global")
-    assert (n, nbytes) == (search_n, search_bytes)
+    assert n <= search_n and nbytes <= search_bytes, (n, nbytes, search_n, search_bytes)
     ref = tg.train("none", steps=2, cfg=cfg, batch=16)  # one device
     np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5)
     got, want = (dict(nnx.to_flat_state(nnx.state(r.model, nnx.Param))) for r in (run, ref))
