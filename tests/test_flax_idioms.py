@@ -45,11 +45,12 @@ def placement(layout):
     return jsbp.placement("cpu", np.arange(8).reshape(2, 4), axis_names=("dp", "tp"))
 
 
-def strategy(layout, zero=0):
+def strategy(layout, zero=0, rules=None):
+    """``jflax.Strategy`` for ``layout``: the batch over dp, ``rules`` (default ``RULES``) over tp."""
     plc = placement(layout)
     logical = {"batch": "dp"}
     if "tp" in plc.axis_names:
-        logical.update(RULES)
+        logical.update(RULES if rules is None else rules)
     return jflax.Strategy(plc, logical_axes=logical, zero=zero)
 
 

@@ -23,7 +23,9 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
+import test_flax_idioms as idioms
 from flax import nnx
+from test_flax_idioms import layouts, part
 
 import jsbp
 import jsbp.flax as jflax
@@ -34,38 +36,14 @@ PARAM_RTOL = 1e-4
 
 # Megatron: heads / mlp / vocab / hidden channels over tp, everything else whole
 RULES = {"heads": "tp", "mlp": "tp", "vocab": "tp", "conv": "tp", "latent": "tp"}
-LAYOUTS = ("dp8", "dp2tp4")
 
 normal = nnx.initializers.normal(0.02)
 lecun = nnx.initializers.lecun_normal()
 zeros = nnx.initializers.zeros_init()
 
 
-def part(init, *names):
-    return nnx.with_partitioning(init, names)
-
-
-def placement(layout):
-    if layout == "dp8":
-        return jsbp.placement("cpu", np.arange(8), axis_names=("dp",))
-    return jsbp.placement("cpu", np.arange(8).reshape(2, 4), axis_names=("dp", "tp"))
-
-
 def strategy(layout, zero=0):
-    plc = placement(layout)
-    logical = {"batch": "dp"}
-    if "tp" in plc.axis_names:
-        logical.update(RULES)
-    return jflax.Strategy(plc, logical_axes=logical, zero=zero)
-
-
-def layouts(default: str):
-    """Both layouts; the default run keeps ``default`` only (the other is ``slow``; JSBP_FULL=1
-    runs every case)."""
-    return [
-        pytest.param(lay, id=lay, marks=() if lay == default else (pytest.mark.slow,))
-        for lay in LAYOUTS
-    ]
+    return idioms.strategy(layout, zero, rules=RULES)
 
 
 def params_of(model, wrt=nnx.Param):
@@ -689,9 +667,7 @@ def segmentation(seed, n=BATCH):
     return x, y
 
 
-def seg_loss(model, batch):
-    x, y = batch
-    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+seg_loss = idioms.cls_loss  # integer-label cross-entropy (per pixel here)
 
 
 @pytest.mark.parametrize("layout", layouts("dp8"))
