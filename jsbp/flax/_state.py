@@ -185,10 +185,12 @@ def gather(tree):
 
 
 def _is_global(x) -> bool:
+    """Whether ``x`` is a global tensor (``is_leaf`` for walking a state with them)."""
     return isinstance(x, GlobalTensor)
 
 
 def _plain(v):
+    """A global tensor as a plain array (a key array as the host's), anything else as it is."""
     if isinstance(v, GlobalTensor):
         return v.numpy() if is_key_dtype(v.dtype) else jax.numpy.asarray(v.numpy())
     return v

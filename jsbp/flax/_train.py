@@ -34,14 +34,10 @@ from .._errors import SbpError
 from .._jit import jit as sbp_jit
 from .._sbp import broadcast as _sbp_broadcast
 from .._tensor import GlobalTensor, is_key_dtype, tensor, to_global
-from ._state import leaf_layouts
+from ._state import _is_global, _plain, leaf_layouts
 from ._strategy import Strategy, activate
 
 __all__ = ["make_train_step", "TrainStep"]
-
-
-def _is_global(x):
-    return isinstance(x, GlobalTensor)
 
 
 def _map_flat(state: nnx.State, fn: Callable[[tuple, Any], Any]) -> nnx.State:
@@ -341,7 +337,7 @@ def _plain_arrays_back(state, new_state):
     if not raw:
         return new_state
     flat = [
-        (p, jnp.asarray(v.numpy()) if p in raw and _is_global(v) else v)
+        (p, _plain(v) if p in raw else v)
         for p, v in nnx.to_flat_state(new_state)
     ]
     return nnx.from_flat_state(flat)
