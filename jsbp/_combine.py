@@ -1,22 +1,24 @@
-"""Combined collectives: many small reduce-scatters (or all-gathers) as one.
+"""Combined collectives: many small all-reduces, reduce-scatters (or all-gathers) as one.
 
-ZeRO-2/3 reduce-scatter every gradient into its owner's shard; a model has dozens of parameters,
-so the step ends in dozens of small reduce-scatters. Each collective has a fixed start-up cost
-(about 0.2 ms on simulated CPU devices whatever its size, tens of microseconds on GPUs), and XLA
-combines all-reduces by itself but not these on every backend (XLA:CPU does not). jsbp batches
-them like PyTorch DDP's gradient buckets: boxings of the same kind, axes and dtype whose results
-nothing reads yet are deferred and run as one collective over the concatenated blocks, when the
-first of their results is read (or the bucket is full).
+A data-parallel step ends in one all-reduce per parameter gradient (ZeRO-2/3: a reduce-scatter);
+a model has dozens of parameters, so the step ends in dozens of small collectives. Each has a
+fixed start-up cost (about 0.2 ms on simulated CPU devices whatever its size, tens of
+microseconds on GPUs), and XLA does not combine them on every backend (XLA:CPU combines none of
+them; XLA:GPU combines all-reduces by itself). jsbp batches them like PyTorch DDP's gradient
+buckets: boxings of the same kind, axes and dtype whose results nothing reads yet are deferred
+and run as one collective over the concatenated blocks, when the first of their results is read
+(or the bucket is full).
 
 The grouping is decided on the ``Program`` (``combine_collectives``), so ``jsbp.explain`` shows
 it and counts each combined collective once, as the compiled program has it; the emitter
 (``Groups``) only follows it.
 
-A boxing joins a group when it is a single even reduce-scatter or all-gather of a value with no
-other conversion to that layout, on an op that only passes its operand on: a ``to_global``
-annotation (how ``jsbp.flax`` pins gradient and parameter layouts), a ``transpose`` (a weight
-gradient, reduced before its transpose) or a ``reshape`` / ``squeeze`` (a bias gradient, reduced
-before it gets the parameter's shape). Those ops are replayed on the combined result.
+A boxing joins a group when it is a single even all-reduce (of a partial sum: partial extrema
+travel as order keys), reduce-scatter or all-gather of a value with no other conversion to that
+layout, on an op that only passes its operand on: a ``to_global`` annotation (how ``jsbp.flax``
+pins gradient and parameter layouts), a ``transpose`` (a weight gradient, reduced before its
+transpose) or a ``reshape`` / ``squeeze`` (a bias gradient, reduced before it gets the
+parameter's shape). Those ops are replayed on the combined result.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ._boxing import blocks_first, collective_axes, collective_dtype, gathered_t
 COMBINE_BUCKET_BYTES = 32 << 20
 """Most input bytes per device in one combined collective (DDP's buckets are 25 MiB)."""
 
-_KINDS = ("reduce-scatter", "all-gather")
+_KINDS = ("reduce-scatter", "all-gather", "all-reduce")
 
 
 _PASS_ON = frozenset({"transpose", "reshape", "squeeze"})
@@ -58,6 +60,8 @@ def _group_key(bx, v):
         return None
     if math.prod(bx.src.shape) == 0:
         return None
+    if mv.collective == "all-reduce" and mv.src.reduce != "sum":
+        return None  # pmax / pmin travel as order keys (``_extremum_all_reduce``): left alone
     return (mv.collective, mv.axes, np.dtype(v.aval.dtype))
 
 
@@ -163,11 +167,23 @@ class Groups:
         wide = collective_dtype(members[0][1].dtype, mv.src.is_partial)  # one dtype per group
         if wide is not None:
             members = [(bx, x.astype(wide)) for bx, x in members]
-        if mv.collective == "reduce-scatter":
+        if mv.collective == "all-reduce":
+            outs = _all_reduce_many([x for _, x in members], axis)
+        elif mv.collective == "reduce-scatter":
             outs = _reduce_scatter_many([(x, bx.dst.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
         else:
             outs = _all_gather_many([(x, bx.src.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
         return outs if wide is None else [y != 0 for y in outs]
+
+
+def _all_reduce_many(xs: list, axis) -> list:
+    """``psum(x, axis)`` for every x, as one."""
+    red = lax.psum(jnp.concatenate([x.reshape(-1) for x in xs]), axis)
+    outs, start = [], 0
+    for x in xs:
+        outs.append(red[start:start + x.size].reshape(x.shape))
+        start += x.size
+    return outs
 
 
 def _reduce_scatter_many(items: list[tuple[Any, int]], axis, n: int) -> list:

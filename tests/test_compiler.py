@@ -643,6 +643,34 @@ def test_small_reduce_scatters_and_all_gathers_run_combined(plc):
         assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), kind: 3}
 
 
+@pytest.mark.parametrize("plc", [P4, R24], ids=["4", "2x4"])
+def test_small_all_reduces_run_combined(plc):
+    """Many small P -> B all-reduces (data-parallel gradients) run as one collective per dtype,
+    the uneven shape included (an all-reduce splits nothing); XLA:CPU does not combine them."""
+    xs, refs = zip(*[_addends(shape, plc, dt) for shape, _, dt in _COMBINE_CASES])
+    reduce = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=("B",) * plc.ndim) for x in a])
+    for o, ref, (_, _, dt) in zip(reduce(*xs), refs, _COMBINE_CASES):
+        tol = 2e-2 if dt == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(np.asarray(o.numpy(), np.float64), ref, rtol=tol, atol=tol)
+    plan, counts = jsbp.explain(reduce, *xs), jsbp.debug.count_collectives(reduce, *xs)
+    assert [b.collectives for b in plan.boxings()] == [("all-reduce",)] * len(_COMBINE_CASES), str(plan)
+    assert all(b.combined is not None for b in plan.boxings())
+    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 2}
+
+
+def test_partial_extrema_are_not_combined():
+    """A partial max travels as order keys (NaN kept), so it is not folded into a sum."""
+    xs = [RNG.standard_normal((8, 4)).astype(np.float32) for _ in range(4)]
+    ys = [RNG.standard_normal((8, 4)).astype(np.float32) for _ in range(4)]
+    a = jsbp.from_local(xs, placement=P4, sbp="Pmax")
+    b = jsbp.from_local(ys, placement=P4, sbp="Pmax")
+    f = jsbp.jit(lambda a, b: (jsbp.to_global(a, sbp="B"), jsbp.to_global(b, sbp="B")))
+    got_a, got_b = f(a, b)
+    np.testing.assert_array_equal(got_a.numpy(), np.max(xs, axis=0))
+    np.testing.assert_array_equal(got_b.numpy(), np.max(ys, axis=0))
+    assert not [bx for bx in jsbp.explain(f, a, b).boxings() if bx.combined is not None]
+
+
 def test_a_value_read_before_the_next_reduce_scatter_is_not_held_back():
     """A combined collective waits for nothing it does not have to: here the first result is
     used before the second reduce-scatter is asked for, so the two run apart."""
