@@ -3,8 +3,10 @@
 A data-parallel step ends in one all-reduce per parameter gradient (ZeRO-2/3: a reduce-scatter);
 a model has dozens of parameters, so the step ends in dozens of small collectives. Each has a
 fixed start-up cost (about 0.2 ms on simulated CPU devices whatever its size, tens of
-microseconds on GPUs), and XLA does not combine them on every backend (XLA:CPU combines none of
-them; XLA:GPU combines all-reduces by itself). jsbp batches them like PyTorch DDP's gradient
+microseconds on GPUs), and XLA does not combine them on every backend: XLA:CPU combines none of
+the reduce-scatters and all-gathers, and puts all-reduces in one tuple all-reduce that still runs
+one reduction per operand (20 small psums: 6.6 ms as XLA's tuple all-reduce, 3.8 ms as one
+all-reduce of their concatenation, on 8 simulated devices). jsbp batches them like PyTorch DDP's gradient
 buckets: boxings of the same kind, axes and dtype whose results nothing reads yet are deferred
 and run as one collective over the concatenated blocks, when the first of their results is read
 (or the bucket is full).
