@@ -112,6 +112,21 @@ def combine_collectives(prog) -> None:
                 continue
         if any(not isinstance(v, jcore.Literal) and v in deferred for v in st.eqn.invars):
             close_all()
+    # the outputs' conversions run after everything else (ZeRO-1/2's updated parameters gathered
+    # back to B): nothing reads them in between, so each kind is one group per bucket
+    for i, bx in enumerate(prog.out_boxings):
+        v = prog.jaxpr.outvars[bx.operand]
+        key = _group_key(bx, v)
+        if key is None or any(o.operand == bx.operand for o in prog.out_boxings[:i]):
+            continue
+        size = math.prod(bx.src.local_shape) * key[2].itemsize
+        hit = open_groups.get(("out",) + key)
+        if hit is None or hit[2] + size > COMBINE_BUCKET_BYTES:
+            groups.append([])
+            hit = (len(groups) - 1, groups[-1], 0)
+        gid, members, nbytes = hit
+        members.append(bx)
+        open_groups[("out",) + key] = (gid, members, nbytes + size)
     gid = 0
     for members in groups:
         if len(members) < 2:

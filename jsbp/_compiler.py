@@ -1150,7 +1150,14 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
     outs = [read(v) for v in prog.jaxpr.outvars]
     if groups is not None:
         outs = [groups.resolve(x) for x in outs]
-    return _apply_boxings(outs, prog.out_boxings)
+    boxings = [bx for bx in prog.out_boxings if bx.group is None]
+    if len(boxings) < len(prog.out_boxings):  # outputs' conversions run as combined collectives
+        groups = groups or Groups(prog.in_layouts[0].placement)
+        for bx in prog.out_boxings:
+            if bx.group is not None:
+                outs[bx.operand] = groups.defer(bx, outs[bx.operand])
+        outs = [groups.resolve(x) for x in outs]
+    return _apply_boxings(outs, boxings)
 
 
 def _emit_prim(st: Step, ins):

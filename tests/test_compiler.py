@@ -658,6 +658,23 @@ def test_small_all_reduces_run_combined(plc):
     assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 2}
 
 
+@pytest.mark.parametrize("plc", [P4, R24], ids=["4", "2x4"])
+def test_output_conversions_run_combined(plc):
+    """The outputs' conversions to ``out_sbp`` run after everything else: the all-gathers of many
+    split results (ZeRO-1/2's updated parameters) are one collective per dtype."""
+    xs, refs = zip(*[_addends(shape, plc, dt) for shape, _, dt in _COMBINE_CASES])
+    scattered = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=(f"S({d})",) * plc.ndim)
+                                     for x, (_, d, _) in zip(a, _COMBINE_CASES)])(*xs)
+    f = jsbp.jit(lambda *a: [x * 2 for x in a], out_sbp=("B",) * plc.ndim)
+    for o, ref, (_, _, dt) in zip(f(*scattered), refs, _COMBINE_CASES):
+        tol = 4e-2 if dt == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(np.asarray(o.numpy(), np.float64), 2 * ref, rtol=tol, atol=tol)
+    plan, counts = jsbp.explain(f, *scattered), jsbp.debug.count_collectives(f, *scattered)
+    assert [b.collectives for b in plan.output_boxings] == [("all-gather",)] * len(_COMBINE_CASES)
+    assert [b.combined is not None for b in plan.output_boxings] == [True] * 5 + [False]  # uneven
+    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-gather": 3}
+
+
 def test_partial_extrema_are_not_combined():
     """A partial max travels as order keys (NaN kept), so it is not folded into a sum."""
     xs = [RNG.standard_normal((8, 4)).astype(np.float32) for _ in range(4)]

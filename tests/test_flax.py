@@ -344,10 +344,12 @@ def test_zero1_all_reduces_gradients_and_all_gathers_parameters():
     assert len(reductions) == _n_params() and len(gathers) == _n_params()
     kinds = plan.collectives()
     assert kinds["reduce-scatter"] == 0 and kinds["all-to-all"] == 0
-    # the gradients' all-reduces run as combined collectives (one per bucket), as compiled
-    assert all(b.combined is not None for b in reductions)
-    assert 1 <= kinds["all-reduce"] < _n_params()
-    assert counts["all-reduce"] == kinds["all-reduce"] and counts["all-gather"] >= 1 and counts["reduce-scatter"] == 0
+    # the gradients' all-reduces run as combined collectives (one per bucket), and so do the
+    # updated parameters' all-gathers (each device updates its shard; they are gathered at the
+    # step's end); the compiled program has exactly the collectives the plan counts
+    assert all(b.combined is not None for b in gathers)
+    assert 1 <= kinds["all-reduce"] < _n_params() and kinds["all-gather"] == 1
+    assert counts == kinds
 
 
 def test_zero2_reduce_scatters_gradients_and_never_all_reduces_them():
@@ -359,8 +361,8 @@ def test_zero2_reduce_scatters_gradients_and_never_all_reduces_them():
     assert not [b for b in plan.boxings() if {"all-reduce", "all-to-all"} & set(b.collectives)]
     # the gradients' reduce-scatters run as combined collectives (one per bucket), and the
     # compiled program has exactly the collectives the plan counts
-    assert all(b.combined is not None for b in scatters)
-    assert 1 <= counts["reduce-scatter"] < _n_params()
+    assert all(b.combined is not None for b in scatters + gathers)
+    assert 1 <= counts["reduce-scatter"] < _n_params() and counts["all-gather"] == 1
     assert counts == plan.collectives() and counts["all-reduce"] == 0
 
 

@@ -142,6 +142,14 @@ class TrainStep:
         def pin(x, nd):
             return x if nd is None else to_global(x, sbp=nd)
 
+        def update_shard(path, p):
+            # ZeRO-1/2: each device updates its shard of a replicated parameter (the optimizer
+            # state is split that way; the parameter's slice is local), and the updated
+            # parameters go back to their stored layout as the step's outputs, gathered there as
+            # combined all-gathers (gathering each update before adding it to the parameter gave
+            # one all-gather per parameter)
+            return to_global(p, sbp=strategy.zero_split(plans[(0,) + path].stored, np.shape(p)))
+
         def step(state, batch):
             model, optimizer, *rngs = nnx.merge(graphdef, state)
             mdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -177,6 +185,8 @@ class TrainStep:
             if rngs:
                 nnx.update(rngs[0], rest[1])
             optimizer.update(model, grads)
+            if strategy is not None and 1 <= strategy.zero <= 2:
+                nnx.update(model, _map_flat(nnx.state(model, nnx.Param), update_shard))
             return nnx.state((model, optimizer, *rngs)), loss
 
         if strategy is None:
