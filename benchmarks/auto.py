@@ -211,7 +211,10 @@ def bench_shape(tg, cfg, corpus, args):
     for n, t_ms in zip(names, ms):
         _, state, batch, est, mem, state_bytes, layouts, _ = prepared[n]
         s = strategies[n]
-        same = [h for h in HAND if h != n and prepared[h][6] == layouts]
+        # hand-picked strategies storing the same layouts (ZeRO-1 and -2 do: the gradients
+        # differ), the one with auto's ZeRO level first
+        same = sorted((h for h in HAND if h != n and prepared[h][6] == layouts),
+                      key=lambda h: getattr(strategies[h], "zero", 0) != getattr(s, "zero", 0))
         rows.append({
             "name": n,
             "strategy": s.report.chosen.name if s.report is not None else _hand_name(n),
