@@ -319,9 +319,24 @@ def _unit_steps(state, ndim, hierarchy):
     each move's cost split for the search: (next, move, bytes coefficient, fixed cost, 1 if it
     is a collective)."""
     return tuple(
-        (nxt, mv, mv.bytes_per_device, move_cost(mv) - mv.bytes_per_device, 1 if mv.collective else 0)
+        (nxt, mv, mv.bytes_per_device + _addends_cost(state, mv, hierarchy),
+         move_cost(mv) - mv.bytes_per_device, 1 if mv.collective else 0)
         for nxt, mv in _moves_from(state, (1,) * ndim, hierarchy, 1)
     )
+
+
+def _addends_cost(state, mv: Move, hierarchy) -> float:
+    """The planner's charge, per byte of the tensor, for zero-filling a split value into partial
+    sums (S -> P): the move is local, but it makes addends as large as the tensor that some later
+    collective must reduce (at least a reduce-scatter back). Free by its bytes, it led the search
+    to subtract a partial batch mean from a split activation by zero-filling the activation
+    (BatchNorm under data parallelism), then to reduce or gather activation-sized values where
+    one all-reduce of the mean would do."""
+    if not (mv.src.is_split and mv.dst.is_partial):
+        return 0.0
+    k = math.prod(hierarchy[a] for a in mv.axes)
+    ways = math.prod(hierarchy[a] for a in range(len(state)) if state[a].is_split and a not in mv.axes)
+    return (k - 1) / k / ways
 
 
 # -------------------------------------------------------------------------------------------

@@ -973,3 +973,45 @@ def test_repeated_layers_are_ranked_once(monkeypatch):
                        jax.tree_util.tree_leaves(ref)):
         want = np.asarray(want)
         np.testing.assert_allclose(o.numpy(), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_batchnorm_under_data_parallelism_reduces_statistics_not_activations():
+    """Conv -> BatchNorm (training mode) -> loss with the batch split over 8 devices: the step
+    all-reduces BatchNorm's per-channel statistics and gradients and never gathers an activation.
+    The search used to subtract the partial batch mean from the split activation by zero-filling
+    the activation into partial sums (free by its bytes), then gathered a whole activation in the
+    backward pass (2 MiB per device here); zero-filling a split value is now charged the
+    reduction its addends will need."""
+    from flax import nnx
+
+    p8 = jsbp.placement("cpu", np.arange(8), axis_names=("dp",))
+
+    class ConvBN(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(16, 16, (3, 3), use_bias=False, rngs=rngs)
+            self.bn = nnx.BatchNorm(16, use_running_average=False, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.conv(x))
+
+    model = ConvBN(nnx.Rngs(0))
+    gdef, params, rest = nnx.split(model, nnx.Param, ...)
+    xv = RNG.standard_normal((128, 16, 16, 16)).astype(np.float32)
+
+    def step(params, rest, x):
+        def loss(params):
+            return jnp.mean(nnx.merge(gdef, params, jax.tree.map(lambda v: v, rest))(x) ** 2)
+        return jax.value_and_grad(loss)(params)
+
+    put = functools.partial(jax.tree.map, lambda a: jsbp.tensor(np.asarray(a), placement=p8, sbp="B"))
+    args = (put(params), put(rest), jsbp.tensor(xv, placement=p8, sbp="S(0)"))
+    f = jsbp.jit(step)
+    plan = jsbp.explain(f, *args)
+    assert plan.collectives()["all-gather"] == 0, str(plan)
+    assert plan.total_bytes_per_device < 4096, str(plan)  # statistics and gradients, per channel
+    loss, grads = f(*args)
+    ref_loss, ref_grads = jax.jit(step)(params, rest, xv)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor)),
+                    jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g.numpy(), np.asarray(r), rtol=1e-4, atol=1e-5)
