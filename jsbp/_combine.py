@@ -89,6 +89,16 @@ def combine_collectives(prog) -> None:
         open_groups.clear()
         deferred.clear()
 
+    def join(key, bx):  # into the open group of ``key``, or a new one when it is full
+        size = math.prod(bx.src.local_shape) * key[-1].itemsize
+        hit = open_groups.get(key)
+        if hit is None or hit[2] + size > COMBINE_BUCKET_BYTES:
+            groups.append([])
+            hit = (len(groups) - 1, groups[-1], 0)
+        gid, members, nbytes = hit
+        members.append(bx)
+        open_groups[key] = (gid, members, nbytes + size)
+
     for st in prog.steps:
         if passes_on(st):
             (v,) = st.eqn.invars
@@ -97,14 +107,7 @@ def combine_collectives(prog) -> None:
                 alone = boxed_to[(v, bx.dst.nd_sbp)] == 1 and not boxed_to[(v, None)]
                 key = _group_key(bx, v) if alone else None
                 if key is not None:
-                    size = math.prod(bx.src.local_shape) * key[2].itemsize
-                    hit = open_groups.get(key)
-                    if hit is None or hit[2] + size > COMBINE_BUCKET_BYTES:
-                        groups.append([])
-                        hit = (len(groups) - 1, groups[-1], 0)
-                    gid, members, nbytes = hit
-                    members.append(bx)
-                    open_groups[key] = (gid, members, nbytes + size)
+                    join(key, bx)
                     deferred.update(st.eqn.outvars)
                     continue
             elif not st.boxings and not isinstance(v, jcore.Literal) and v in deferred:
@@ -117,16 +120,8 @@ def combine_collectives(prog) -> None:
     for i, bx in enumerate(prog.out_boxings):
         v = prog.jaxpr.outvars[bx.operand]
         key = _group_key(bx, v)
-        if key is None or any(o.operand == bx.operand for o in prog.out_boxings[:i]):
-            continue
-        size = math.prod(bx.src.local_shape) * key[2].itemsize
-        hit = open_groups.get(("out",) + key)
-        if hit is None or hit[2] + size > COMBINE_BUCKET_BYTES:
-            groups.append([])
-            hit = (len(groups) - 1, groups[-1], 0)
-        gid, members, nbytes = hit
-        members.append(bx)
-        open_groups[("out",) + key] = (gid, members, nbytes + size)
+        if key is not None and not any(o.operand == bx.operand for o in prog.out_boxings[:i]):
+            join(("out",) + key, bx)
     gid = 0
     for members in groups:
         if len(members) < 2:

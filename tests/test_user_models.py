@@ -476,6 +476,25 @@ def test_lora_frozen_base(layout):
     assert not any("kernel" in m or "bias" in m for m in moments), moments
 
 
+def test_lora_under_zero1_gathers_only_the_adapters():
+    """ZeRO-1 updates each device's shard of the trained parameters and gathers them back at the
+    step's end; the frozen base is neither sliced nor gathered."""
+    batches = [regression(i) for i in range(STEPS)]
+    ref = train_reference(_eager(LoRAMLP), lora_loss, batches, optax.adam(1e-2), wrt=nnx.LoRAParam)
+    strat = strategy("dp8", zero=1)
+    model = _eager(LoRAMLP)(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+    model, optimizer = jflax.shard((model, optimizer), strat)
+    step = jflax.make_train_step(lora_loss, strat)
+    plan = step.explain(model, optimizer, batches[0])
+    gathered = [b.shape for b in plan.output_boxings if b.collectives == ("all-gather",)]
+    adapters = [np.shape(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))]
+    assert sorted(gathered) == sorted(adapters) and all(b.combined is not None for b in plan.output_boxings)
+    losses = [_value(step(model, optimizer, b)) for b in batches]
+    got = (losses, jflax.gather(model), jflax.gather(optimizer))
+    assert_parity(got, ref, _eager(LoRAMLP)(nnx.Rngs(0)), wrt=nnx.LoRAParam)
+
+
 # ------------------------------------------------------------------------------------------------
 # 5. Gemma-style decoder: layers stacked with nnx.split_rngs + nnx.vmap, run with nnx.scan;
 #    RMSNorm, GeGLU, nnx.Einsum with sharding metadata, tied embedding, logit soft-capping

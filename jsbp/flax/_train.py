@@ -186,7 +186,8 @@ class TrainStep:
                 nnx.update(rngs[0], rest[1])
             optimizer.update(model, grads)
             if strategy is not None and 1 <= strategy.zero <= 2:
-                nnx.update(model, _map_flat(nnx.state(model, nnx.Param), update_shard))
+                updated = nnx.All(nnx.Param, getattr(optimizer, "wrt", nnx.Param))  # not frozen ones
+                nnx.update(model, _map_flat(nnx.state(model, updated), update_shard))
             return nnx.state((model, optimizer, *rngs)), loss
 
         if strategy is None:
