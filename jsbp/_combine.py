@@ -117,11 +117,12 @@ def combine_collectives(prog) -> None:
             close_all()
     # the outputs' conversions run after everything else (ZeRO-1/2's updated parameters gathered
     # back to B): nothing reads them in between, so each kind is one group per bucket
-    for i, bx in enumerate(prog.out_boxings):
-        v = prog.jaxpr.outvars[bx.operand]
-        key = _group_key(bx, v)
-        if key is not None and not any(o.operand == bx.operand for o in prog.out_boxings[:i]):
+    seen: set = set()  # an output boxed twice (a repeated output var) runs where it is
+    for bx in prog.out_boxings:
+        key = _group_key(bx, prog.jaxpr.outvars[bx.operand])
+        if key is not None and bx.operand not in seen:
             join(("out",) + key, bx)
+        seen.add(bx.operand)
     gid = 0
     for members in groups:
         if len(members) < 2:

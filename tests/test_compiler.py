@@ -620,6 +620,13 @@ def _addends(shape, plc, dtype):
     return jsbp.from_local(locs, placement=plc, sbp=("P",) * plc.ndim), sum(np.asarray(x, np.float64) for x in locs)
 
 
+def _assert_results(outs, refs, scale=1.0):
+    """Each combined-collective result against its NumPy value (bf16 to its precision)."""
+    for o, ref, (_, _, dt) in zip(outs, refs, _COMBINE_CASES):
+        tol = 2e-2 * scale if dt == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(np.asarray(o.numpy(), np.float64), scale * ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("plc", [P4, R24], ids=["4", "2x4"])
 def test_small_reduce_scatters_and_all_gathers_run_combined(plc):
     """Many small reduce-scatters (ZeRO gradients) run as one collective per dtype, and so do the
@@ -632,10 +639,7 @@ def test_small_reduce_scatters_and_all_gathers_run_combined(plc):
     scatter = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=nd(d)) for x, (_, d, _) in zip(a, _COMBINE_CASES)])
     gather = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=("B",) * plc.ndim) for x in a])
     for f, args in [(scatter, xs), (gather, scatter(*xs))]:
-        outs = f(*args)
-        for o, ref, (_, _, dt) in zip(outs, refs, _COMBINE_CASES):
-            tol = 2e-2 if dt == jnp.bfloat16 else 1e-5
-            np.testing.assert_allclose(np.asarray(o.numpy(), np.float64), ref, rtol=tol, atol=tol)
+        _assert_results(f(*args), refs)
         plan, counts = jsbp.explain(f, *args), jsbp.debug.count_collectives(f, *args)
         kind = "reduce-scatter" if f is scatter else "all-gather"
         assert [b.collectives for b in plan.boxings()] == [(kind,)] * len(_COMBINE_CASES), str(plan)
@@ -649,9 +653,7 @@ def test_small_all_reduces_run_combined(plc):
     the uneven shape included (an all-reduce splits nothing); XLA:CPU does not combine them."""
     xs, refs = zip(*[_addends(shape, plc, dt) for shape, _, dt in _COMBINE_CASES])
     reduce = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=("B",) * plc.ndim) for x in a])
-    for o, ref, (_, _, dt) in zip(reduce(*xs), refs, _COMBINE_CASES):
-        tol = 2e-2 if dt == jnp.bfloat16 else 1e-5
-        np.testing.assert_allclose(np.asarray(o.numpy(), np.float64), ref, rtol=tol, atol=tol)
+    _assert_results(reduce(*xs), refs)
     plan, counts = jsbp.explain(reduce, *xs), jsbp.debug.count_collectives(reduce, *xs)
     assert [b.collectives for b in plan.boxings()] == [("all-reduce",)] * len(_COMBINE_CASES), str(plan)
     assert all(b.combined is not None for b in plan.boxings())
@@ -666,9 +668,7 @@ def test_output_conversions_run_combined(plc):
     scattered = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=(f"S({d})",) * plc.ndim)
                                      for x, (_, d, _) in zip(a, _COMBINE_CASES)])(*xs)
     f = jsbp.jit(lambda *a: [x * 2 for x in a], out_sbp=("B",) * plc.ndim)
-    for o, ref, (_, _, dt) in zip(f(*scattered), refs, _COMBINE_CASES):
-        tol = 4e-2 if dt == jnp.bfloat16 else 1e-5
-        np.testing.assert_allclose(np.asarray(o.numpy(), np.float64), 2 * ref, rtol=tol, atol=tol)
+    _assert_results(f(*scattered), refs, scale=2.0)
     plan, counts = jsbp.explain(f, *scattered), jsbp.debug.count_collectives(f, *scattered)
     assert [b.collectives for b in plan.output_boxings] == [("all-gather",)] * len(_COMBINE_CASES)
     assert [b.combined is not None for b in plan.output_boxings] == [True] * 5 + [False]  # uneven
