@@ -1,8 +1,35 @@
-"""Shared by ``training.py`` and ``models.py``: the GSPMD baselines' pins (what a jsbp strategy
-annotates, written as ``with_sharding_constraint`` on ``NamedSharding`` s) and the short names
-of collectives in their tables."""
+"""Shared by the training benchmarks (``training.py``, ``models.py``, ``auto.py``): the GSPMD
+baselines' pins (what a jsbp strategy annotates, written as ``with_sharding_constraint`` on
+``NamedSharding`` s), the interleaved step timer and the short names of collectives in their
+tables."""
 
 from __future__ import annotations
+
+import random
+import statistics
+import time
+
+
+def interleaved_medians(fns, states, batches, steps, warmup, seed=0):
+    """Median step time (ms) of each ``fn(state, batch) -> (state, loss)`` and the final states.
+    One step of each per round, in an order shuffled every round (fixed ``seed``), so that neither
+    a busy machine nor a function's predecessor in the round favours one of them; each step is
+    timed until its state and loss are ready."""
+    import jax
+
+    rng = random.Random(seed)
+    times = [[] for _ in fns]
+    states = list(states)
+    order = list(range(len(fns)))
+    for i in range(warmup + steps):
+        rng.shuffle(order)
+        for k in order:
+            t = time.perf_counter()
+            states[k], loss = fns[k](states[k], batches[k])
+            jax.block_until_ready((states[k], loss))
+            if i >= warmup:
+                times[k].append((time.perf_counter() - t) * 1e3)
+    return [statistics.median(t) for t in times], states
 
 
 def pins(strategy, plans, sharding):

@@ -21,11 +21,12 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+from _common import interleaved_medians  # noqa: E402  (benchmarks/ is the script's directory)
 
 SHAPES = {  # name: GPTConfig overrides (vocab comes from the corpus)
     "gpt": {},
@@ -107,27 +108,6 @@ def fit(results) -> str:
             f"mem_bandwidth={inv(coef[3])})  # mean relative error {err:.2f} over {len(y)} rows")
 
 
-def _interleaved_medians(fns, states, batch, steps, warmup):
-    """Median step time of each function: one step of each per round, in an order shuffled every
-    round (fixed seed), so that neither a busy machine nor the predecessor of a function in the
-    round favours one of them."""
-    import random
-
-    import jax
-
-    rng = random.Random(0)
-    times = [[] for _ in fns]
-    states = list(states)
-    order = list(range(len(fns)))
-    for i in range(warmup + steps):
-        rng.shuffle(order)
-        for k in order:
-            t = time.perf_counter()
-            states[k], loss = fns[k](states[k], batch[k])
-            jax.block_until_ready((states[k], loss))
-            if i >= warmup:
-                times[k].append((time.perf_counter() - t) * 1e3)
-    return [statistics.median(t) for t in times]
 
 
 def _prepare(tg, cfg, strategy, host_batch):
@@ -205,8 +185,8 @@ def bench_shape(tg, cfg, corpus, args):
             raise SystemExit(f"{n}: losses {p[-1]} differ from one device's {ref} beyond 1e-5")
     names = list(prepared)
     fns = [prepared[n][0] for n in names]
-    ms = _interleaved_medians(fns, [prepared[n][1] for n in names], [prepared[n][2] for n in names],
-                              args.steps, args.warmup)
+    ms, _ = interleaved_medians(fns, [prepared[n][1] for n in names], [prepared[n][2] for n in names],
+                                args.steps, args.warmup)
     rows = []
     for n, t_ms in zip(names, ms):
         _, state, batch, est, mem, state_bytes, layouts, _ = prepared[n]

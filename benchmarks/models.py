@@ -35,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYOUT_NAMES = ("dp8", "tp8", "dp2tp4", "zero3")
 
 
-from _common import fmt_coll, pins  # noqa: E402  (benchmarks/ is the script's directory)
+from _common import fmt_coll, interleaved_medians, pins  # noqa: E402  (benchmarks/ is the script's directory)
 
 
 def main(argv=None) -> int:
@@ -123,22 +123,6 @@ def table(results) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def _interleaved_medians(fns, states, batches, steps, warmup):
-    import jax
-
-    times = [[] for _ in fns]
-    states = list(states)
-    for i in range(warmup + steps):
-        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
-        for k in order:
-            t = time.perf_counter()
-            states[k], loss = fns[k](states[k], batches[k])
-            jax.block_until_ready(loss)
-            if i >= warmup:
-                times[k].append((time.perf_counter() - t) * 1e3)
-    return [statistics.median(t) for t in times], states
-
-
 def _init(mod):
     import optax
     from flax import nnx
@@ -191,7 +175,7 @@ def bench_one(name, layout, args):
             return phys, outs[-1]  # the loss is the last output leaf
 
         fns, states, batches = fns + [run_program], states + [phys], batches + [None]
-    medians, states = _interleaved_medians(fns, states, batches, args.steps, args.warmup)
+    medians, states = interleaved_medians(fns, states, batches, args.steps, args.warmup)
     (jsbp_ms, gspmd_ms), (state, gstate) = medians[:2], states[:2]
     program_ms = medians[2] if len(medians) > 2 else None
     jsbp_coll = count_collectives(fn, state, batch)

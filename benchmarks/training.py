@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -36,7 +34,7 @@ STRATEGIES = {  # name: (parallel, zero, accum)
 }
 
 
-from _common import fmt_coll, pins  # noqa: E402  (benchmarks/ is the script's directory)
+from _common import fmt_coll, interleaved_medians, pins  # noqa: E402  (benchmarks/ is the script's directory)
 
 
 def main(argv=None) -> int:
@@ -109,23 +107,6 @@ def table(results) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def _interleaved_medians(fns, states, batches, steps, warmup):
-    """Median step time of each function, alternating them step by step so that a busy machine
-    slows both sides alike."""
-    import jax
-
-    times = [[] for _ in fns]
-    states = list(states)
-    for i in range(warmup + steps):
-        for k, (fn, batch) in enumerate(zip(fns, batches)):
-            t = time.perf_counter()
-            states[k], loss = fn(states[k], batch)
-            jax.block_until_ready(loss)
-            if i >= warmup:
-                times[k].append((time.perf_counter() - t) * 1e3)
-    return [statistics.median(t) for t in times]
-
-
 def bench_one(tg, cfg, corpus, parallel, zero, accum, args):
     import numpy as np
     from flax import nnx
@@ -153,7 +134,7 @@ def bench_one(tg, cfg, corpus, parallel, zero, accum, args):
     # ---- hand-written: NamedSharding + jax.jit --------------------------------------------
     hand_fn, hstate, hbatch = hand_written(tg, cfg, strategy, accum, host_batch)
     hand_coll = collectives_in_hlo(hand_fn.lower(hstate, hbatch).compile().as_text())
-    jsbp_ms, hand_ms = _interleaved_medians(
+    (jsbp_ms, hand_ms), _ = interleaved_medians(
         [run_jsbp, hand_fn], [state, hstate], [batch, hbatch], args.steps, args.warmup
     )
     out = {
@@ -170,7 +151,7 @@ def bench_one(tg, cfg, corpus, parallel, zero, accum, args):
         # diagnostic: plain data parallelism written by hand with jax.shard_map (what jsbp emits)
         sm_fn, sstate, sbatch = hand_shard_map_dp(tg, cfg, strategy, host_batch)
         out["shard_map_coll"] = collectives_in_hlo(sm_fn.lower(sstate, sbatch).compile().as_text())
-        jsbp_ms2, sm_ms = _interleaved_medians(
+        (jsbp_ms2, sm_ms), _ = interleaved_medians(
             [run_jsbp, sm_fn], [state, sstate], [batch, sbatch], args.steps, args.warmup
         )
         out.update(
