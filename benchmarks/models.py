@@ -17,8 +17,9 @@ be placed with ``jax.device_put``: the baseline keeps such a dim whole (the near
 layout; column ``uneven`` counts the state leaves jsbp stores padded).
 
 Reported per case: first call (trace + compile + run, wall ms) and the median steady-state step
-(``--steps`` timed steps after ``--warmup``, jsbp and GSPMD alternating step by step so a busy
-machine slows both alike), their ratios, and the collectives in each compiled step.
+(``--steps`` timed steps after ``--warmup``, jsbp and GSPMD one step each per round in an order
+shuffled every round, so a busy machine slows both alike), their ratios, and the collectives in
+each compiled step.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--layouts", default="", help="comma-separated subset of " + ",".join(LAYOUT_NAMES)
     )
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    ap.add_argument("--steps", type=int, default=50, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument(
