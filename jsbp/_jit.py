@@ -24,7 +24,7 @@ from jax.interpreters import ad, batching, mlir
 from . import _sbp
 from ._compiler import Program, infer, run_program
 from ._errors import PlacementError, SbpError
-from ._interop import lift_out_shardings, meshless, trace_with_mesh
+from ._interop import _context_mesh_set, lift_out_shardings, meshless, trace_with_mesh
 from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
 from ._statickey import static_key
@@ -251,6 +251,10 @@ def _merge_static(args, static):
     return tuple(out)
 
 
+class _PlainArguments(Exception):
+    """Raised while tracing ``JitFunction._outer`` for arguments that are not all global tensors."""
+
+
 class JitFunction:
     """A consistent-view function compiled by ``jsbp.jit``; call it with global tensors."""
 
@@ -264,6 +268,13 @@ class JitFunction:
         # static args) -> (entry, the plain leaves and their layouts). A global tensor flattens to
         # its physical array with its layout in the structure, so a hit needs no per-leaf Python.
         self._fast: dict = {}
+        # the call itself: one jax.jit over the arguments' pytree, so that a call whose arguments
+        # are all global tensors is dispatched by JAX's C++ path (structure, layouts in the
+        # treedef, avals, shardings) with no per-leaf Python of ours; see ``_traced_call``.
+        # Static arguments keep the Python path (jax.jit would key them by ``==``: ``1 == 1.0``),
+        # and so does a call under a context mesh (the function is traced under it, see
+        # ``trace_with_mesh``; the program runs without it, see ``meshless``)
+        self._outer = None if self.static_argnums else jax.jit(self._traced_call)
         functools.update_wrapper(self, fn)
 
     # -- argument handling -------------------------------------------------------------------
@@ -357,12 +368,32 @@ class JitFunction:
         return self._lookup(args)[0]
 
     def __call__(self, *args):
+        if self._outer is not None and not _context_mesh_set():
+            try:
+                return self._outer(*args)
+            except _PlainArguments:  # this function is called with plain arrays or scalars
+                self._outer = None
         entry, phys = self._lookup(args)
         if any(isinstance(p, jax.core.Tracer) for p in phys):
             outs = _differentiable(entry)(*phys)
         else:
             outs = entry.fn(*phys)
         return jax.tree_util.tree_unflatten(entry.out_struct, outs)
+
+    def _traced_call(self, *args):
+        """The body of ``_outer``: traced once per structure, layouts and avals of the arguments
+        (jax.jit's cache), it finds or builds the entry as the Python path does and calls its
+        program, differentiable with jsbp's own backward program (under ``jax.grad`` of the call
+        as on the Python path; without a transformation the custom rule costs nothing).
+
+        Only for arguments that are all global tensors: a plain array or Python scalar is put on
+        the placement by the Python path (``_put_plain``: a committed single-device array, and a
+        scalar's weak type, are handled there), so one raises ``_PlainArguments`` and the function
+        keeps the Python path from then on."""
+        if not all(_is_global(x) for x in jax.tree_util.tree_leaves(args, is_leaf=_is_global)):
+            raise _PlainArguments
+        entry, phys = self._lookup(args)
+        return jax.tree_util.tree_unflatten(entry.out_struct, _differentiable(entry)(*phys))
 
     def lower(self, *args):
         """``jax.jit``-style lowering (used by ``jsbp.debug.count_collectives``)."""

@@ -418,6 +418,58 @@ def test_repeat_calls_tell_signatures_apart():
     assert len(calls) == len(cases) - 2
 
 
+def test_calls_with_global_tensors_only_dispatch_through_jax_jit(monkeypatch):
+    """A call whose arguments are all global tensors runs through one ``jax.jit`` over the
+    arguments' pytree (JAX's C++ dispatch: no per-leaf Python of jsbp's on a repeat call); a new
+    layout, shape or dtype still retraces, a plain argument moves the function to the Python
+    path, and ``jax.grad`` of a call still runs jsbp's planned backward program. Values against
+    NumPy throughout."""
+    from jsbp._jit import JitFunction
+
+    lookups = []
+    orig = JitFunction._lookup
+    monkeypatch.setattr(JitFunction, "_lookup", lambda self, args: lookups.append(1) or orig(self, args))
+
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    jf = jsbp.jit(f)
+    xv, wv, x7 = rand(8, 4), rand(4, 6), rand(7, 4)
+    cases = [
+        (gt(xv, P4, "S(0)"), gt(wv, P4, "B"), 1),  # traced
+        (gt(xv, P4, "S(0)"), gt(wv, P4, "B"), 0),  # jax.jit's cache
+        (gt(xv, P4, "B"), gt(wv, P4, "S(1)"), 1),  # layouts
+        (gt(x7, P4, "S(0)"), gt(wv, P4, "B"), 1),  # logical shape (uneven, same padded block)
+        (gt(xv.astype(jnp.bfloat16), P4, "S(0)"), gt(wv.astype(jnp.bfloat16), P4, "B"), 1),  # dtype
+        (gt(xv, P4, "S(1)"), gt(wv, P4, "S(0)"), 1),  # a partial-sum contraction
+        (gt(xv, P4, "S(1)"), gt(wv, P4, "S(0)"), 0),
+    ]
+    for x, w, traced in cases:
+        before = len(lookups)
+        y = jf(x, w)
+        assert len(lookups) - before == traced
+        tol = 2e-2 if x.dtype == jnp.bfloat16 else 1e-5
+        ref = np.tanh(np.asarray(x.numpy(), np.float32) @ np.asarray(w.numpy(), np.float32))
+        np.testing.assert_allclose(np.asarray(y.numpy(), np.float32), ref, rtol=tol, atol=tol)
+        assert y.dtype == x.dtype
+
+    # gradients through the call: jsbp's backward program, values against NumPy
+    x, w = gt(xv, P4, "S(0)"), gt(wv, P4, "B")
+    loss = jsbp.jit(lambda x, w: jnp.sum(jnp.tanh(x @ w)))
+    loss(x, w)
+    gw = jax.grad(lambda w: loss(x, w).to_jax())(w)
+    ref = xv.T @ (1 - np.tanh(xv @ wv) ** 2)
+    assert gw.sbp == w.sbp
+    np.testing.assert_allclose(gw.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+    # a plain argument: the Python path from then on, same values
+    y = jf(x, jnp.asarray(wv))
+    np.testing.assert_allclose(y.numpy(), np.tanh(xv @ wv), rtol=1e-5, atol=1e-5)
+    before = len(lookups)
+    jf(x, w)
+    assert len(lookups) - before == 1
+
+
 # -- eager ops -----------------------------------------------------------------------------------------------
 def test_eager_operators_and_methods():
     xv, yv = rand(8, 6), rand(8, 6)
