@@ -108,8 +108,6 @@ def fit(results) -> str:
             f"mem_bandwidth={inv(coef[3])})  # mean relative error {err:.2f} over {len(y)} rows")
 
 
-
-
 def _prepare(tg, cfg, strategy, host_batch):
     """The compiled functional step, its state and batch, and the plan's estimate."""
     from flax import nnx
