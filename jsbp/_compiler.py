@@ -894,23 +894,60 @@ def _unsplit_dim0(nd):
     return tuple(B if (x.is_split and x.dim == 0) else x for x in nd)
 
 
-def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], n_carry_out_offset=0):
+def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_out_offset=0, trips: int = 1):
     """Fixed point for loop carries. ``make_sub(carry, force)`` infers the body with the given carry
-    layouts; ``force`` boxes the carry outputs back to them. Try the init layouts, then the layouts
-    the body produces on its own (e.g. a P accumulator), else force the init layouts."""
+    layouts; ``force`` boxes the carry outputs back to them. The init layouts are kept when the
+    body gives them back. Otherwise the candidates are: the layouts the body produces on its own
+    when it then gives those back (e.g. a P accumulator), the init layouts forced, and, per
+    placement axis, the init's SBP on some axes and the body's on the others, forced (a backward
+    scan's activation gradient kept split over the data axis and partial over the model axis).
+    The cheapest wins: ``trips`` times the body's cost, plus converting the init to the carry
+    layouts on entry and the carry back to the init layouts after the loop."""
     n = len(carry_init)
 
     def outs_of(sub):
         return sub.out_layouts[n_carry_out_offset: n_carry_out_offset + n]
 
+    def gives_back(sub, carry):
+        return all(o.nd_sbp == c.nd_sbp for o, c in zip(outs_of(sub), carry))
+
     free = make_sub(carry_init, False)
-    if all(o.nd_sbp == c.nd_sbp for o, c in zip(outs_of(free), carry_init)):
+    if gives_back(free, carry_init):
         return list(carry_init), free
     trial = list(outs_of(free))
+    options = []
     free2 = make_sub(trial, False)
-    if all(o.nd_sbp == c.nd_sbp for o, c in zip(outs_of(free2), trial)):
-        return trial, free2
-    return list(carry_init), make_sub(carry_init, True)
+    if gives_back(free2, trial):
+        options.append((trial, free2))
+    ndim = inf.placement.ndim
+    seen = {tuple(c.nd_sbp for c in carry_init), tuple(c.nd_sbp for c in trial)}
+    for mask in range(1, (1 << ndim) - 1):
+        mix = [inf.lay(tuple(t.nd_sbp[a] if mask >> a & 1 else c.nd_sbp[a] for a in range(ndim)), c)
+               for c, t in zip(carry_init, trial)]
+        key = tuple(m.nd_sbp for m in mix)
+        if key in seen or not all(_one_partial_kind(m.nd_sbp) for m in mix):
+            continue
+        seen.add(key)
+        options.append((mix, make_sub(mix, True)))
+    options.append((list(carry_init), make_sub(carry_init, True)))
+    hier = inf.placement.hierarchy
+
+    def total(option):
+        carry, sub = option
+        edges = 0.0
+        for c, k, aval in zip(carry_init, carry, avals):
+            if c.nd_sbp != k.nd_sbp:
+                size = _itemsize(aval)
+                edges += plan_cost(c.nd_sbp, k.nd_sbp, c.shape, hier, size)[0]
+                edges += plan_cost(k.nd_sbp, c.nd_sbp, c.shape, hier, size)[0]
+        return trips * program_cost(sub) + edges
+
+    return min(options, key=total)
+
+
+WHILE_TRIPS = 16
+"""The trip count ``_infer_loop_carry`` assumes for a ``while`` loop (unknown before it runs): a
+carry layout that costs a collective per iteration loses to one converted once after the loop."""
 
 
 _BODY_PLANS = contextvars.ContextVar("jsbp_body_plans", default=None)
@@ -969,7 +1006,8 @@ def _infer_scan(inf: _Inference, eqn, cur):
             body_out[i] = carry[i].nd_sbp if force else None
         return _body_program(inf, closed.jaxpr, closed.consts, list(consts_l) + list(carry) + x_slice, body_out)
 
-    carry, sub = _infer_loop_carry(inf, make_sub, cur[nc: nc + nk])
+    carry, sub = _infer_loop_carry(inf, make_sub, cur[nc: nc + nk], [v.aval for v in eqn.invars[nc: nc + nk]],
+                                   trips=p["length"])
     for i, (c, want, v) in enumerate(zip(cur[nc: nc + nk], carry, eqn.invars[nc: nc + nk])):
         if (bx := inf.box(nc + i, c, want, v.aval)) is not None:
             boxings.append(bx)
@@ -988,7 +1026,7 @@ def _infer_while(inf: _Inference, eqn, cur):
         return _body_program(inf, bj.jaxpr, bj.consts, list(bconsts) + list(carry),
                              [c.nd_sbp for c in carry] if force else None)
 
-    carry, body = _infer_loop_carry(inf, make_sub, init)
+    carry, body = _infer_loop_carry(inf, make_sub, init, [v.aval for v in eqn.invars[cn + bn:]], trips=WHILE_TRIPS)
     cond = inf.program(cj.jaxpr, cj.consts, list(cconsts) + list(carry), out_nd=[(B,) * inf.placement.ndim])
     boxings = []
     for i, (c, want, v) in enumerate(zip(init, carry, eqn.invars[cn + bn:])):
