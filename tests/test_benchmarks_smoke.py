@@ -80,7 +80,9 @@ def test_models_benchmark_one_case_prints_its_table():
     rows = [line for line in res.stdout.splitlines() if line.startswith("| cnn | dp8 |")]
     assert len(rows) == 1, res.stdout
     cells = rows[0].strip("|").split("|")
-    assert len(cells) == 13 and float(cells[11]) > 0, rows[0]  # the program timed alone too
+    # both programs timed alone too (jsbp's, GSPMD's), and their ratio
+    assert len(cells) == 14 and float(cells[11]) > 0 and float(cells[12]) > 0, rows[0]
+    assert float(cells[13]) == pytest.approx(float(cells[11]) / float(cells[12]), abs=0.01), rows[0]
 
 
 @pytest.mark.slow
