@@ -922,8 +922,8 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
     ndim = inf.placement.ndim
     seen = {tuple(c.nd_sbp for c in carry_init), tuple(c.nd_sbp for c in trial)}
     for mask in range(1, (1 << ndim) - 1):
-        mix = [inf.lay(tuple(t.nd_sbp[a] if mask >> a & 1 else c.nd_sbp[a] for a in range(ndim)), c)
-               for c, t in zip(carry_init, trial)]
+        mix = [inf.lay(tuple(t.nd_sbp[a] if mask >> a & 1 else c.nd_sbp[a] for a in range(ndim)), aval)
+               for c, t, aval in zip(carry_init, trial, avals)]
         key = tuple(m.nd_sbp for m in mix)
         if key in seen or not all(_one_partial_kind(m.nd_sbp) for m in mix):
             continue
