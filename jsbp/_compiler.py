@@ -597,7 +597,10 @@ class _Inference:
         def avail(v, nd, depth, by) -> bool:
             """Whether ``v`` can be had in ``nd`` without boxing it for ``by`` alone."""
             asks = want.get(v)
-            if asks is not None and asks.get(nd) or _asked_by_another(prior, v, nd, by):
+            if asks is not None and asks.get(nd):
+                return True
+            asks = prior.get(v)  # ``_asked_by_another(prior, v, nd, by)``, inlined: the hot path
+            if asks is not None and (askers := asks.get(nd)) and (len(askers) > 1 or by not in askers):
                 return True
             if depth == 0 or (m := made.get(v)) is None:
                 return False
@@ -634,6 +637,10 @@ class _Inference:
                                      avail=lambda v, nd, eqn=eqn: avail(v, nd, PRODUCER_DEPTH, eqn))
             for v, nd in zip(eqn.invars, ins):
                 ask(v, nd, eqn)
+        # ``avail`` calls itself through its closure: a reference cycle that would keep ``made``,
+        # ``memo`` and ``prior`` (~100 000 objects on a 4-block model) alive until the cyclic
+        # collector runs. Break it, and reference counting frees them now
+        avail = None  # noqa: F841
         return want
 
 
