@@ -262,6 +262,7 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
                 fixed_value(v, lay.nd_sbp)
 
     walk(prog)
+    walk = None  # noqa: F841 (a recursive closure: drop the cycle, so the problem is freed with its last use)
     for v in jaxpr.invars:
         values[inf.key(v)].anchored = True
     for v, want in zip(jaxpr.outvars, out_nd or ()):
