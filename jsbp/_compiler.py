@@ -625,6 +625,8 @@ class _Inference:
             if nd is not None:
                 ask(v, nd, None)
         for entry in reversed(self.trace):
+            if entry[0] == "loop":
+                continue  # (its operands' asks follow as a "want" entry)
             if entry[0] == "want":
                 for v, nd in zip(entry[1], entry[2]):
                     ask(v, nd, id(entry))
@@ -640,7 +642,7 @@ class _Inference:
         # ``avail`` calls itself through its closure: a reference cycle that would keep ``made``,
         # ``memo`` and ``prior`` (~100 000 objects on a 4-block model) alive until the cyclic
         # collector runs. Break it, and reference counting frees them now
-        avail = None  # noqa: F841
+        avail = None  # noqa: F811, F841
         return want
 
 
@@ -901,7 +903,8 @@ def _unsplit_dim0(nd):
     return tuple(B if (x.is_split and x.dim == 0) else x for x in nd)
 
 
-def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_out_offset=0, trips: int = 1):
+def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_out_offset=0, trips: int = 1,
+                      eqn=None, sig_of=None, cur=None):
     """Fixed point for loop carries. ``make_sub(carry, force)`` infers the body with the given carry
     layouts; ``force`` boxes the carry outputs back to them. The init layouts are kept when the
     body gives them back. Otherwise the candidates are: the layouts the body produces on its own
@@ -909,7 +912,13 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
     placement axis, the init's SBP on some axes and the body's on the others, forced (a backward
     scan's activation gradient kept split over the data axis and partial over the model axis).
     The cheapest wins: ``trips`` times the body's cost, plus converting the init to the carry
-    layouts on entry and the carry back to the init layouts after the loop."""
+    layouts on entry and the carry back to the init layouts after the loop.
+
+    In the top scope (given ``eqn``, its operands' layouts ``cur`` and ``sig_of(carry, sub)``, the
+    loop step's signature) the candidates are also recorded for the global planner (a ``"loop"``
+    entry of the trace: each candidate's signature and ``trips`` times its body's cost). It
+    chooses among them with the rest of the program, the conversions into and out of the loop as
+    its readers need them; a pass following its decisions (``_Inference.fixed``) takes that one."""
     n = len(carry_init)
 
     def outs_of(sub):
@@ -921,6 +930,31 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
     free = make_sub(carry_init, False)
     if gives_back(free, carry_init):
         return list(carry_init), free
+    options = _loop_carry_options(inf, make_sub, carry_init, avals, free, outs_of, gives_back)
+    hier = inf.placement.hierarchy
+
+    def total(option):
+        carry, sub = option
+        edges = 0.0
+        for c, k, aval in zip(carry_init, carry, avals):
+            if c.nd_sbp != k.nd_sbp:
+                size = _itemsize(aval)
+                edges += plan_cost(c.nd_sbp, k.nd_sbp, c.shape, hier, size)[0]
+                edges += plan_cost(k.nd_sbp, c.nd_sbp, c.shape, hier, size)[0]
+        return trips * program_cost(sub) + edges
+
+    if eqn is None or inf.depth != 1:
+        return min(options, key=total)
+    sigs = [sig_of(*o) for o in options]
+    inf.trace.append(("loop", eqn, list(cur), sigs, [trips * program_cost(sub) for _, sub in options]))
+    if inf.fixed is not None and (sig := inf.fixed.get(id(eqn))) in sigs:
+        inf.followed.add(id(eqn))
+        return options[sigs.index(sig)]
+    return min(options, key=total)
+
+
+def _loop_carry_options(inf, make_sub, carry_init, avals, free, outs_of, gives_back):
+    """``_infer_loop_carry``'s candidates when the body does not give the init layouts back."""
     trial = list(outs_of(free))
     options = []
     free2 = make_sub(trial, False)
@@ -937,19 +971,7 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
         seen.add(key)
         options.append((mix, make_sub(mix, True)))
     options.append((list(carry_init), make_sub(carry_init, True)))
-    hier = inf.placement.hierarchy
-
-    def total(option):
-        carry, sub = option
-        edges = 0.0
-        for c, k, aval in zip(carry_init, carry, avals):
-            if c.nd_sbp != k.nd_sbp:
-                size = _itemsize(aval)
-                edges += plan_cost(c.nd_sbp, k.nd_sbp, c.shape, hier, size)[0]
-                edges += plan_cost(k.nd_sbp, c.nd_sbp, c.shape, hier, size)[0]
-        return trips * program_cost(sub) + edges
-
-    return min(options, key=total)
+    return options
 
 
 WHILE_TRIPS = 16
@@ -1013,14 +1035,20 @@ def _infer_scan(inf: _Inference, eqn, cur):
             body_out[i] = carry[i].nd_sbp if force else None
         return _body_program(inf, closed.jaxpr, closed.consts, list(consts_l) + list(carry) + x_slice, body_out)
 
+    def ys_of(sub):
+        return [inf.lay(_shift_split(l.nd_sbp, +1), v.aval) for l, v in zip(sub.out_layouts[nk:], eqn.outvars[nk:])]
+
+    def sig_of(carry, sub):
+        return (tuple(l.nd_sbp for l in (*consts_l, *carry, *xs_need)),
+                tuple(l.nd_sbp for l in (*carry, *ys_of(sub))))
+
     carry, sub = _infer_loop_carry(inf, make_sub, cur[nc: nc + nk], [v.aval for v in eqn.invars[nc: nc + nk]],
-                                   trips=p["length"])
+                                   trips=p["length"], eqn=eqn, sig_of=sig_of, cur=cur)
     for i, (c, want, v) in enumerate(zip(cur[nc: nc + nk], carry, eqn.invars[nc: nc + nk])):
         if (bx := inf.box(nc + i, c, want, v.aval)) is not None:
             boxings.append(bx)
-    ys = [inf.lay(_shift_split(l.nd_sbp, +1), v.aval) for l, v in zip(sub.out_layouts[nk:], eqn.outvars[nk:])]
     in_lays = list(consts_l) + list(carry) + xs_need
-    return Step(eqn, in_lays, list(carry) + ys, boxings, sub=sub, kind="scan")
+    return Step(eqn, in_lays, list(carry) + ys_of(sub), boxings, sub=sub, kind="scan")
 
 
 def _infer_while(inf: _Inference, eqn, cur):
@@ -1033,7 +1061,11 @@ def _infer_while(inf: _Inference, eqn, cur):
         return _body_program(inf, bj.jaxpr, bj.consts, list(bconsts) + list(carry),
                              [c.nd_sbp for c in carry] if force else None)
 
-    carry, body = _infer_loop_carry(inf, make_sub, init, [v.aval for v in eqn.invars[cn + bn:]], trips=WHILE_TRIPS)
+    def sig_of(carry, body):
+        return (tuple(l.nd_sbp for l in (*cconsts, *bconsts, *carry)), tuple(l.nd_sbp for l in carry))
+
+    carry, body = _infer_loop_carry(inf, make_sub, init, [v.aval for v in eqn.invars[cn + bn:]], trips=WHILE_TRIPS,
+                                    eqn=eqn, sig_of=sig_of, cur=cur)
     cond = inf.program(cj.jaxpr, cj.consts, list(cconsts) + list(carry), out_nd=[(B,) * inf.placement.ndim])
     boxings = []
     for i, (c, want, v) in enumerate(zip(init, carry, eqn.invars[cn + bn:])):

@@ -194,6 +194,7 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
     """The problem of ``prog``, a program ``inf`` (a reference forward pass) built: its top-scope
     equations (inlined calls included) with the candidates ``inf`` recorded for them."""
     traced = {id(e[1]): e for e in inf.trace if e[0] == "prim"}
+    loops = {id(e[1]): e for e in inf.trace if e[0] == "loop"}
     hier = inf.placement.hierarchy
     nodes: list[Node] = []
     values: dict = {}
@@ -224,8 +225,14 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
         for st in p.steps:
             if st.kind == "call":
                 walk(st.sub)
-            elif st.kind == "prim" and id(st.eqn) in traced:
-                _, eqn, cur, cands = traced[id(st.eqn)]
+            elif id(st.eqn) in traced or id(st.eqn) in loops:
+                # an equation with candidate signatures: a primitive (its rule's) or a loop (its
+                # carry layouts, each costing ``trips`` times its body's plan)
+                loop = loops.get(id(st.eqn))
+                if loop is None:
+                    _, eqn, cur, cands = traced[id(st.eqn)]
+                else:
+                    _, eqn, cur, cands, body_costs = loop
                 u = len(nodes)
                 operands = []
                 for i, v in enumerate(eqn.invars):
@@ -244,6 +251,10 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
                     k, val = value(v)
                     val.producer, val.nd = (u, j), None
                     outputs.append(k)
+                if loop is not None:
+                    nodes.append(Node(eqn, list(cands), operands, outputs, np.array(body_costs, dtype=float),
+                                      kind=id(cands)))
+                    continue
                 w = work.get(id(cands))
                 if w is None or w[0] is not cands:
                     w = work[id(cands)] = (cands, _work(eqn, cands, hier))

@@ -17,6 +17,7 @@ from jsbp import _compiler as C
 from jsbp import _jit
 from jsbp import _planner as G
 
+P8 = jsbp.placement("cpu", list(range(8)))
 RECORDED = pathlib.Path(__file__).parent / "data" / "plan_costs.json"
 
 
@@ -267,6 +268,39 @@ def test_global_planner_plans_loop_bodies(monkeypatch):
     g1, m1 = global_fn(state, batch)
     np.testing.assert_allclose(m1.numpy(), l1.numpy(), rtol=1e-6)
     np.testing.assert_allclose(global_fn(g1, batch)[1].numpy(), search_fn(s1, batch)[1].numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [64, 60])
+def test_loop_carry_is_chosen_with_the_rest_of_the_program(rows, monkeypatch):
+    """A loop is one node of the global problem: its candidates are the carry layouts
+    ``_infer_loop_carry`` tries, each costing ``trips`` times its body's plan, and the conversions
+    into and out of the loop are edges like any other. A scan over one micro-batch (accumulation
+    steps = 1) adds a batch-split slice to a replicated carry: the body gives the carry back
+    split. The search ranks the carries by converting the result back to the init's layout after
+    the loop (B: an all-gather, as dear as keeping the carry B in its one iteration) and keeps B,
+    then slices it for the split output: 1 all-gather. Chosen with the output's layout in view
+    the carry stays split: none. Values match one device either way."""
+    def f(c0, xs):
+        return jax.lax.scan(lambda c, x: (c + x, None), c0, xs)[0]
+
+    cv, xv = rand(rows, 32), rand(1, rows, 32)
+    c, xs = gt(cv, P8, "B"), gt(xv, P8, "S(1)")
+    counts = {}
+    for planner in ("search", "global"):
+        if planner == "global":
+            monkeypatch.setenv("JSBP_PLANNER", "global")
+        else:
+            monkeypatch.delenv("JSBP_PLANNER", raising=False)
+        fn = jsbp.jit(f, out_sbp=jsbp.sbp.split(0))
+        y = fn(c, xs)
+        np.testing.assert_allclose(y.numpy(), np.asarray(f(cv, xv)), rtol=1e-6)
+        assert y.sbp == (jsbp.sbp.split(0),)
+        counts[planner] = jsbp.debug.count_collectives(fn, c, xs)
+    assert counts["search"]["all-gather"] == 1 and sum(counts["search"].values()) == 1, counts
+    assert sum(counts["global"].values()) == 0, counts
+    problem, _ = _problem(f, (c, xs), monkeypatch, out_sbp=jsbp.sbp.split(0))
+    (loop,) = [n for n in problem.nodes if n.eqn.primitive.name == "scan"]
+    assert len(loop.cands) == 2  # the carry as the body gives it back (S(0)), or forced to B
 
 
 class _NoBodyPlans:
