@@ -22,7 +22,8 @@ a 1 MiB latency per collective, the boxing planner's model) and the planning tim
 
 The timing rows plan the un-hinted GPT train step with 1, 4, 16 and 24 blocks under DPxTP on a
 (2, 4) placement and TP on (8,), cold (jsbp's memo caches emptied first): ``infer`` alone,
-tracing excluded.
+tracing excluded. ``--hints 1,4`` (alone: ``--only hints --hints 1,4``) adds the un-hinted TP step's plans against the hinted step's,
+costed on one problem (communication and compute) and timed.
 """
 
 from __future__ import annotations
@@ -227,6 +228,93 @@ def planning_times(layers_list=(1, 4, 16, 24), reps=1, strategy="DPxTP") -> list
     return rows
 
 
+def plan_on(prob, prog) -> list[int]:
+    """The candidate of each node of ``prob`` that ``prog`` chose, ``prog`` planned from another
+    trace of the same function (the hinted step: the same equations plus annotations), matched
+    in program order by primitive and operand shapes."""
+    sigs = [(st.eqn.primitive.name, tuple(tuple(v.aval.shape) for v in st.eqn.invars),
+             (tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts)))
+            for _, st in _compiler.iter_steps(prog) if st.kind == "prim"]
+    j, choice = 0, []
+    for n in prob.nodes:
+        want = (n.eqn.primitive.name, tuple(tuple(v.aval.shape) for v in n.eqn.invars))
+        while j < len(sigs) and sigs[j][:2] != want:
+            j += 1
+        if j == len(sigs):
+            raise ValueError(f"no step of the program matches {want}")
+        choice.append(n.cands.index(sigs[j][2]))  # (a ValueError if not a candidate here)
+        j += 1
+    return choice
+
+
+def hint_rows(layers_list=(1, 4), strategy="TP", steps=30, timed=True) -> list[dict]:
+    """The un-hinted GPT step's plans (search, global) against the hinted step's plan (search),
+    all costed on the un-hinted step's problem (``_planner.build``): communication (the edges,
+    without the anchor charge: the hints convert a parameter, which the un-hinted problem charges
+    ``ANCHOR_BYTES`` to keep the user's layouts) and compute (the nodes: one byte per flop a
+    device does), and their step times, interleaved."""
+    import compiler as bc
+    from _common import interleaved_medians
+
+    strat = [s for s in bc.strategies() if s.name.startswith(strategy)][0]
+    rows = []
+    for layers in layers_list:
+        case = bc.Case(strat, (256, 64, 8, layers, 16, 32))
+        fns, progs = {}, {}
+        for name, hinted, planner in (("hinted", True, "search"), ("search", False, "search"),
+                                      ("global", False, "global")):
+            set_planner(planner)
+            fns[name] = case.jsbp_fn(hinted)
+            with _Capture() as cap:
+                progs[name] = fns[name].lower_program(*case.jsbp_args()).program
+            if name == "search":
+                a, k = cap.calls[0][:2]
+        set_planner("search")
+        placement, jaxpr, consts, lays, out_nd = a
+        jaxpr = _compiler._dce(jaxpr)
+        inf = _compiler._Inference(placement, None, {}, frozenset(jaxpr.invars))
+        prob = _planner.build(inf, inf.program(jaxpr, consts, lays, out_nd), jaxpr, out_nd)
+        for val in prob.values.values():
+            val.anchored, val.costs = False, None
+        row = {"strategy": strategy, "layers": layers}
+        for name, prog in progs.items():
+            choice = plan_on(prob, prog)
+            compute = float(sum(n.cost[c] for n, c in zip(prob.nodes, choice)))
+            row[name] = {"cost": _compiler.program_cost(prog), "combined": _planner.combined_cost(prog),
+                         "compute": compute, "objective": _planner.objective(prob, choice)}
+        rows.append(row)
+        if not timed:
+            continue
+        order = list(fns)
+
+        def stepper(f):
+            def step(state, tok):
+                loss, p, o = f(*state, tok)
+                return (p, o), loss
+            return step
+
+        args = case.jsbp_args()
+        ms, _ = interleaved_medians([stepper(fns[n]) for n in order], [args[:2]] * 3, [args[2]] * 3,
+                                    steps=steps, warmup=3)
+        for n, t in zip(order, ms):
+            row[n]["step_ms"] = t
+        print(f"  hints, {layers} layers: {row}", file=sys.stderr, flush=True)
+    return rows
+
+
+def hint_table(rows) -> str:
+    lines = ["| step | blocks | plan | communication (MB-eq) | combined (MB-eq) | compute (MB-eq) | "
+             "objective (MB-eq) | step (ms) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for name, label in (("hinted", "hinted (search)"), ("search", "un-hinted, search"),
+                            ("global", "un-hinted, global")):
+            x = r[name]
+            lines.append(f"| {r['strategy']} | {r['layers']} | {label} | {x['cost'] / 1e6:.2f} | "
+                         f"{x['combined'] / 1e6:.2f} | {x['compute'] / 1e6:.2f} | {x['objective'] / 1e6:.2f} | "
+                         f"{x['step_ms']:.2f} |")
+    return "\n".join(lines)
+
+
 def cost_table(results: dict) -> str:
     lines = [
         "| program | search cost (MB-eq) | global cost (MB-eq) | global / search | search collectives | "
@@ -266,12 +354,14 @@ def main(argv=None) -> int:
     ap.add_argument("--timing-steps", default="DPxTP,TP", help="un-hinted GPT steps of the timing rows")
     ap.add_argument("--record", default="", help="merge the search planner's costs of the programs into this JSON file")
     ap.add_argument("--json", default="", help="write all results here (JSON)")
+    ap.add_argument("--hints", default="", help="blocks of the hinted vs un-hinted TP rows (e.g. 1,4); "
+                    "alone with --only hints")
     args = ap.parse_args(argv)
     print(f"# jsbp planner benchmark: {jax.device_count()} simulated CPU devices, {os.cpu_count()} CPU cores, "
           f"load average {os.getloadavg()[0]:.2f}")
     results, rows = {}, []
-    if not args.timing_only:
-        for group in [g for g in (args.only.split(",") if args.only else GROUPS) if g]:
+    if not args.timing_only and args.only != "hints":
+        for group in [g for g in (args.only.split(",") if args.only else GROUPS) if g and g != "hints"]:
             for name, make in GROUPS[group]().items():
                 results[name] = measure(make)
                 r = results[name]
@@ -279,11 +369,16 @@ def main(argv=None) -> int:
                       f"global {r['global']['cost'] / 1e6:.2f} / {r['global']['collectives']}",
                       file=sys.stderr, flush=True)
         print(cost_table(results))
-    if not args.no_timing:
+    if not args.no_timing and args.only != "hints":
         rows = [r for st in args.timing_steps.split(",")
                 for r in planning_times(tuple(int(x) for x in args.layers.split(",")), strategy=st)]
         print()
         print(time_table(rows))
+    hints = []
+    if args.hints:
+        hints = hint_rows(tuple(int(x) for x in args.hints.split(",")))
+        print()
+        print(hint_table(hints))
     if args.record:  # merged into what the file already holds
         path = pathlib.Path(args.record)
         table = json.loads(path.read_text()) if path.exists() else {}
@@ -291,7 +386,7 @@ def main(argv=None) -> int:
                       for name, r in results.items()})
         path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"costs": results, "timing": rows}, indent=1))
+        pathlib.Path(args.json).write_text(json.dumps({"costs": results, "timing": rows, "hints": hints}, indent=1))
     return 0
 
 
