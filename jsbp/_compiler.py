@@ -943,7 +943,7 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
                 edges += plan_cost(k.nd_sbp, c.nd_sbp, c.shape, hier, size)[0]
         return trips * program_cost(sub) + edges
 
-    if eqn is None or inf.depth != 1:
+    if eqn is None or inf.depth != 1 or not _planner.enabled():
         return min(options, key=total)
     sigs = [sig_of(*o) for o in options]
     inf.trace.append(("loop", eqn, list(cur), sigs, [trips * program_cost(sub) for _, sub in options]))

@@ -326,7 +326,10 @@ def test_loop_carry_is_chosen_with_the_rest_of_the_program(rows, monkeypatch):
         counts[planner] = jsbp.debug.count_collectives(fn, c, xs)
     assert counts["search"]["all-gather"] == 1 and sum(counts["search"].values()) == 1, counts
     assert sum(counts["global"].values()) == 0, counts
-    problem, _ = _problem(f, (c, xs), monkeypatch, out_sbp=jsbp.sbp.split(0))
+    placement, jaxpr, consts, lays, out_nd = _captured(f, (c, xs), monkeypatch, out_sbp=jsbp.sbp.split(0))
+    monkeypatch.setenv("JSBP_PLANNER", "global")  # (the reference pass records loops for it)
+    inf = C._Inference(placement, None, {}, frozenset(jaxpr.invars))
+    problem = G.build(inf, inf.program(jaxpr, consts, lays, out_nd), jaxpr, out_nd)
     (loop,) = [n for n in problem.nodes if n.eqn.primitive.name == "scan"]
     assert len(loop.cands) == 2  # the carry as the body gives it back (S(0)), or forced to B
 
