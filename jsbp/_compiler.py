@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import gc
 import itertools
 import math
@@ -594,7 +595,7 @@ class _Inference:
             if not isinstance(v, (jcore.Literal, jcore.DropVar)):
                 want.setdefault(self.key(v), {}).setdefault(tuple(nd), set()).add(who)
 
-        def avail(v, nd, depth, by) -> bool:
+        def avail(depth, by, v, nd) -> bool:
             """Whether ``v`` can be had in ``nd`` without boxing it for ``by`` alone."""
             asks = want.get(v)
             if asks is not None and asks.get(nd):
@@ -611,7 +612,7 @@ class _Inference:
                 producer, operands, cands = m
                 for ins in giving(cands, nd):
                     for (u, at), w in zip(operands, ins):
-                        if u is not None and w != at and not avail(u, w, depth - 1, producer):
+                        if u is not None and w != at and not avail(depth - 1, producer, u, w):
                             break
                     else:
                         hit = True
@@ -636,7 +637,7 @@ class _Inference:
             ins = _carry_through(eqn, cands, demand)
             if ins is None:
                 ins, _ = self.choose(eqn, cur, cands, demand, reuse=False,
-                                     avail=lambda v, nd, eqn=eqn: avail(v, nd, PRODUCER_DEPTH, eqn))
+                                     avail=functools.partial(avail, PRODUCER_DEPTH, eqn))
             for v, nd in zip(eqn.invars, ins):
                 ask(v, nd, eqn)
         # ``avail`` calls itself through its closure: a reference cycle that would keep ``made``,

@@ -994,6 +994,8 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
     # no costlier than the search's plan by ``program_cost``; among those, the cheapest once
     # combined collectives are counted once (``combined_cost``); ties: the search's plan
     ok = [p for p in plans if p[0] <= plans[0][0]]
+    if len(ok) == 1:
+        return ok[0][2]  # (``infer`` combines its collectives next, as ``combined_cost`` would)
     return min(ok, key=lambda p: (combined_cost(p[2]), p[0], -p[1]))[2]
 
 
