@@ -626,7 +626,7 @@ class _Inference:
             if nd is not None:
                 ask(v, nd, None)
         for entry in reversed(self.trace):
-            if entry[0] == "loop":
+            if entry[0] == "node":
                 continue  # (its operands' asks follow as a "want" entry)
             if entry[0] == "want":
                 for v, nd in zip(entry[1], entry[2]):
@@ -916,7 +916,7 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
     layouts on entry and the carry back to the init layouts after the loop.
 
     In the top scope (given ``eqn``, its operands' layouts ``cur`` and ``sig_of(carry, sub)``, the
-    loop step's signature) the candidates are also recorded for the global planner (a ``"loop"``
+    loop step's signature) the candidates are also recorded for the global planner (a ``"node"``
     entry of the trace: each candidate's signature and ``trips`` times its body's cost). It
     chooses among them with the rest of the program, the conversions into and out of the loop as
     its readers need them; a pass following its decisions (``_Inference.fixed``) takes that one."""
@@ -947,7 +947,7 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
     if eqn is None or inf.depth != 1 or not _planner.enabled():
         return min(options, key=total)
     sigs = [sig_of(*o) for o in options]
-    inf.trace.append(("loop", eqn, list(cur), sigs, [trips * program_cost(sub) for _, sub in options]))
+    inf.trace.append(("node", eqn, list(cur), sigs, [trips * program_cost(sub) for _, sub in options]))
     if inf.fixed is not None and (sig := inf.fixed.get(id(eqn))) in sigs:
         inf.followed.add(id(eqn))
         return options[sigs.index(sig)]
@@ -1085,7 +1085,39 @@ def _infer_cond(inf: _Inference, eqn, cur):
     first = _branch_program(inf, branches[0], ops)
     out_nd = [l.nd_sbp for l in first.out_layouts]
     subs = [first] + [_branch_program(inf, b, ops, out_nd) for b in branches[1:]]
-    return Step(eqn, [idx_want] + list(ops), list(first.out_layouts), boxings, sub=subs, kind="cond")
+    if inf.depth == 1 and len(branches) > 1 and _planner.enabled():
+        subs = _cond_results_choice(inf, eqn, cur, idx_want, subs)
+    return Step(eqn, [idx_want] + list(ops), list(subs[0].out_layouts), boxings, sub=subs, kind="cond")
+
+
+def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
+    """Under the global planner, the layouts of a ``cond``'s results are a choice of the whole
+    program's problem (a ``"node"`` entry of the trace, as a loop's carry): the first branch's own
+    (the others forced to them: what the compiler does alone), each other branch's own, and B,
+    every branch forced to them. A candidate costs its branches' ``program_cost`` summed (as
+    ``program_cost`` counts a ``cond``: which branch runs is not known). Which branch comes first
+    no longer decides: a branch whose
+    matmul leaves a partial sum and one that passes a split operand on, read replicated after the
+    ``cond``, all-reduce once (the split one zero-fills) whatever their order. A pass following
+    the global planner's decisions takes the chosen candidate."""
+    branches, ops = eqn.params["branches"], cur[1:]
+    options = [subs]
+    seen = {tuple(l.nd_sbp for l in subs[0].out_layouts)}
+    wants = [_branch_program(inf, b, ops).out_layouts for b in branches[1:]]
+    wants.append([inf.lay_b(v.aval) for v in eqn.outvars])
+    for lays in wants:
+        nd = tuple(l.nd_sbp for l in lays)
+        if nd not in seen:
+            seen.add(nd)
+            options.append([_branch_program(inf, b, ops, list(nd)) for b in branches])
+    ins = (idx_want.nd_sbp, *(l.nd_sbp for l in ops))
+    sigs = [(ins, tuple(l.nd_sbp for l in o[0].out_layouts)) for o in options]
+    costs = [sum(program_cost(sub) for sub in o) for o in options]
+    inf.trace.append(("node", eqn, list(cur), sigs, costs))
+    if inf.fixed is not None and (sig := inf.fixed.get(id(eqn))) in sigs:
+        inf.followed.add(id(eqn))
+        return options[sigs.index(sig)]
+    return subs
 
 
 def _branch_program(inf: _Inference, closed, ops, out_nd=None) -> Program:

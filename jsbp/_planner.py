@@ -194,7 +194,7 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
     """The problem of ``prog``, a program ``inf`` (a reference forward pass) built: its top-scope
     equations (inlined calls included) with the candidates ``inf`` recorded for them."""
     traced = {id(e[1]): e for e in inf.trace if e[0] == "prim"}
-    loops = {id(e[1]): e for e in inf.trace if e[0] == "loop"}
+    loops = {id(e[1]): e for e in inf.trace if e[0] == "node"}  # loops, conds: candidates of their own
     hier = inf.placement.hierarchy
     nodes: list[Node] = []
     values: dict = {}
@@ -226,8 +226,9 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
             if st.kind == "call":
                 walk(st.sub)
             elif id(st.eqn) in traced or id(st.eqn) in loops:
-                # an equation with candidate signatures: a primitive (its rule's) or a loop (its
-                # carry layouts, each costing ``trips`` times its body's plan)
+                # an equation with candidate signatures: a primitive (its rule's), a loop (its
+                # carry layouts, each costing ``trips`` times its body's plan) or a cond (its
+                # results' layouts, each its branches' plans summed)
                 loop = loops.get(id(st.eqn))
                 if loop is None:
                     _, eqn, cur, cands = traced[id(st.eqn)]
