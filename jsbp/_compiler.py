@@ -1096,10 +1096,10 @@ def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
     (the others forced to them: what the compiler does alone), each other branch's own, and B,
     every branch forced to them. A candidate costs its branches' ``program_cost`` summed (as
     ``program_cost`` counts a ``cond``: which branch runs is not known). Which branch comes first
-    no longer decides: a branch whose
-    matmul leaves a partial sum and one that passes a split operand on, read replicated after the
-    ``cond``, all-reduce once (the split one zero-fills) whatever their order. A pass following
-    the global planner's decisions takes the chosen candidate."""
+    no longer decides: a branch whose matmul leaves a partial sum and one that passes a split
+    operand on, read replicated after the ``cond``, all-reduce once (the split one zero-fills)
+    whatever their order. A pass following the global planner's decisions takes the chosen
+    candidate."""
     branches, ops = eqn.params["branches"], cur[1:]
     options = [subs]
     seen = {tuple(l.nd_sbp for l in subs[0].out_layouts)}

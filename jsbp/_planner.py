@@ -194,7 +194,7 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
     """The problem of ``prog``, a program ``inf`` (a reference forward pass) built: its top-scope
     equations (inlined calls included) with the candidates ``inf`` recorded for them."""
     traced = {id(e[1]): e for e in inf.trace if e[0] == "prim"}
-    loops = {id(e[1]): e for e in inf.trace if e[0] == "node"}  # loops, conds: candidates of their own
+    owned = {id(e[1]): e for e in inf.trace if e[0] == "node"}  # loops, conds: candidates of their own
     hier = inf.placement.hierarchy
     nodes: list[Node] = []
     values: dict = {}
@@ -225,15 +225,15 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
         for st in p.steps:
             if st.kind == "call":
                 walk(st.sub)
-            elif id(st.eqn) in traced or id(st.eqn) in loops:
+            elif id(st.eqn) in traced or id(st.eqn) in owned:
                 # an equation with candidate signatures: a primitive (its rule's), a loop (its
                 # carry layouts, each costing ``trips`` times its body's plan) or a cond (its
                 # results' layouts, each its branches' plans summed)
-                loop = loops.get(id(st.eqn))
-                if loop is None:
+                entry = owned.get(id(st.eqn))
+                if entry is None:
                     _, eqn, cur, cands = traced[id(st.eqn)]
                 else:
-                    _, eqn, cur, cands, body_costs = loop
+                    _, eqn, cur, cands, sub_costs = entry
                 u = len(nodes)
                 operands = []
                 for i, v in enumerate(eqn.invars):
@@ -252,8 +252,8 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
                     k, val = value(v)
                     val.producer, val.nd = (u, j), None
                     outputs.append(k)
-                if loop is not None:
-                    nodes.append(Node(eqn, list(cands), operands, outputs, np.array(body_costs, dtype=float),
+                if entry is not None:
+                    nodes.append(Node(eqn, list(cands), operands, outputs, np.array(sub_costs, dtype=float),
                                       kind=id(cands)))
                     continue
                 w = work.get(id(cands))
@@ -962,9 +962,10 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
     """The globally planned ``Program`` of ``jaxpr`` (``_compiler.infer``'s planner when
     ``JSBP_PLANNER=global``).
 
-    A reference forward pass (the compiler's greedy one, inputs anchored) records every
-    top-scope equation with its candidates and fixes what the global choice leaves alone (loop
-    and branch steps). The problem is solved, and a second forward pass follows the chosen
+    A reference forward pass (the search's best) records every top-scope equation with its
+    candidates (a loop whose carry has a choice and a ``cond`` with theirs: the boundary layouts,
+    each costing its bodies' plans) and fixes what the global choice leaves alone (a loop whose
+    body gives its carry back). The problem is solved, and a second forward pass follows the chosen
     signatures (``_Inference.fixed``). Where the chosen layouts change which equations exist (an
     ``argmax`` over a dim that is now split is decomposed, an inlined call's rule looks at other
     layouts), the forward pass decides those equations itself; a further round re-plans from that
