@@ -1085,21 +1085,37 @@ def _infer_cond(inf: _Inference, eqn, cur):
     first = _branch_program(inf, branches[0], ops)
     out_nd = [l.nd_sbp for l in first.out_layouts]
     subs = [first] + [_branch_program(inf, b, ops, out_nd) for b in branches[1:]]
-    if inf.depth == 1 and len(branches) > 1 and _planner.enabled():
+    if len(branches) > 1:
         subs = _cond_results_choice(inf, eqn, cur, idx_want, subs)
     return Step(eqn, [idx_want] + list(ops), list(subs[0].out_layouts), boxings, sub=subs, kind="cond")
 
 
 def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
-    """Under the global planner, the layouts of a ``cond``'s results are a choice of the whole
-    program's problem (a ``"node"`` entry of the trace, as a loop's carry): the first branch's own
-    (the others forced to them: what the compiler does alone), each other branch's own, and B,
-    every branch forced to them. A candidate costs its branches' ``program_cost`` summed (as
-    ``program_cost`` counts a ``cond``: which branch runs is not known). Which branch comes first
-    no longer decides: a branch whose matmul leaves a partial sum and one that passes a split
-    operand on, read replicated after the ``cond``, all-reduce once (the split one zero-fills)
-    whatever their order. A pass following the global planner's decisions takes the chosen
-    candidate."""
+    """The layouts of a ``cond``'s results, chosen among the first branch's own (``subs``: the
+    others forced to them), each other branch's own, and B, every branch forced to them. A
+    candidate costs its branches' ``program_cost`` summed (as ``program_cost`` counts a ``cond``:
+    which branch runs is not known) plus converting the results to the layouts the lookahead's
+    demand wants of them; ties keep the first branch's. Which branch is written first no longer
+    decides: a branch whose matmul leaves a partial sum and one that passes a split operand on,
+    read replicated after the ``cond``, all-reduce once (the split one zero-fills) whatever their
+    order, where the first branch's layouts cost a reduce-scatter and an all-gather with the split
+    one first. Under the global planner the candidates are a choice of the whole program's
+    problem (a ``"node"`` entry of the trace, as a loop's carry) and a pass following its
+    decisions takes the chosen one."""
+    hier = inf.placement.hierarchy
+    wanted = [() if isinstance(v, jcore.DropVar) else tuple(inf.demand.get(inf.key(v), ())) for v in eqn.outvars]
+
+    def total(option):
+        exits = 0.0
+        for lay, wants, v in zip(option[0].out_layouts, wanted, eqn.outvars):
+            for w in wants:
+                if w != lay.nd_sbp:
+                    exits += plan_cost(lay.nd_sbp, w, lay.shape, hier, _itemsize(v.aval))[0]
+        return sum(program_cost(sub) for sub in option) + exits
+
+    glob = inf.depth == 1 and _planner.enabled()
+    if not glob and total(subs) == 0.0:
+        return subs  # nothing to gain
     branches, ops = eqn.params["branches"], cur[1:]
     options = [subs]
     seen = {tuple(l.nd_sbp for l in subs[0].out_layouts)}
@@ -1110,14 +1126,14 @@ def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
         if nd not in seen:
             seen.add(nd)
             options.append([_branch_program(inf, b, ops, list(nd)) for b in branches])
-    ins = (idx_want.nd_sbp, *(l.nd_sbp for l in ops))
-    sigs = [(ins, tuple(l.nd_sbp for l in o[0].out_layouts)) for o in options]
-    costs = [sum(program_cost(sub) for sub in o) for o in options]
-    inf.trace.append(("node", eqn, list(cur), sigs, costs))
-    if inf.fixed is not None and (sig := inf.fixed.get(id(eqn))) in sigs:
-        inf.followed.add(id(eqn))
-        return options[sigs.index(sig)]
-    return subs
+    if glob:
+        ins = (idx_want.nd_sbp, *(l.nd_sbp for l in ops))
+        sigs = [(ins, tuple(l.nd_sbp for l in o[0].out_layouts)) for o in options]
+        inf.trace.append(("node", eqn, list(cur), sigs, [sum(program_cost(sub) for sub in o) for o in options]))
+        if inf.fixed is not None and (sig := inf.fixed.get(id(eqn))) in sigs:
+            inf.followed.add(id(eqn))
+            return options[sigs.index(sig)]
+    return min(options, key=total)
 
 
 def _branch_program(inf: _Inference, closed, ops, out_nd=None) -> Program:
