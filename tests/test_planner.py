@@ -298,6 +298,14 @@ def test_global_planner_plans_loop_bodies(monkeypatch):
     np.testing.assert_allclose(global_fn(g1, batch)[1].numpy(), search_fn(s1, batch)[1].numpy(), rtol=1e-5)
 
 
+def _use_planner(planner, monkeypatch):
+    """``jsbp.jit`` functions made from now on plan with ``planner`` ("search" or "global")."""
+    if planner == "global":
+        monkeypatch.setenv("JSBP_PLANNER", "global")
+    else:
+        monkeypatch.delenv("JSBP_PLANNER", raising=False)
+
+
 @pytest.mark.parametrize("rows", [64, 60])
 def test_loop_carry_is_chosen_with_the_rest_of_the_program(rows, monkeypatch):
     """A loop is one node of the global problem: its candidates are the carry layouts
@@ -315,10 +323,7 @@ def test_loop_carry_is_chosen_with_the_rest_of_the_program(rows, monkeypatch):
     c, xs = gt(cv, P8, "B"), gt(xv, P8, "S(1)")
     counts = {}
     for planner in ("search", "global"):
-        if planner == "global":
-            monkeypatch.setenv("JSBP_PLANNER", "global")
-        else:
-            monkeypatch.delenv("JSBP_PLANNER", raising=False)
+        _use_planner(planner, monkeypatch)
         fn = jsbp.jit(f, out_sbp=jsbp.sbp.split(0))
         y = fn(c, xs)
         np.testing.assert_allclose(y.numpy(), np.asarray(f(cv, xv)), rtol=1e-6)
@@ -405,10 +410,7 @@ def test_cond_result_layouts_do_not_depend_on_the_branch_order(partial_first, mo
     x, w = gt(xv, P8, "S(0)"), gt(wv, P8, "S(0)")
     counts = {}
     for planner in ("search", "global"):
-        if planner == "global":
-            monkeypatch.setenv("JSBP_PLANNER", "global")
-        else:
-            monkeypatch.delenv("JSBP_PLANNER", raising=False)
+        _use_planner(planner, monkeypatch)
         fn = jsbp.jit(f, out_sbp=jsbp.sbp.broadcast)
         for pv in (1.0, -1.0):
             p = gt(np.float32(pv), P8, "B")
