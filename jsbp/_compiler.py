@@ -255,6 +255,21 @@ class _Inference:
         bx = self.box_value(i, cur, dst, v)
         return [] if bx is None else [bx]
 
+    def plans_nodes(self) -> bool:
+        """Whether a loop or ``cond`` met now records its candidates for the global planner (the
+        top scope of a pass under ``JSBP_PLANNER=global``)."""
+        return self.depth == 1 and _planner.enabled()
+
+    def node_choice(self, eqn, cur, sigs, costs) -> int | None:
+        """Record a loop's or ``cond``'s candidates (their step signatures ``sigs`` and what each
+        costs) as a node of the global problem (a ``"node"`` entry of the trace); the index of
+        the one a pass following the global planner's decisions takes, else None."""
+        self.trace.append(("node", eqn, list(cur), sigs, costs))
+        if self.fixed is not None and (sig := self.fixed.get(id(eqn))) in sigs:
+            self.followed.add(id(eqn))
+            return sigs.index(sig)
+        return None
+
     # ---------------------------------------------------------------------------------------
     def program(self, jaxpr, consts, in_layouts, out_nd=None, *, inline_of=None) -> Program:
         """Infer a (sub-)program. ``inline_of``: the caller's operands when the jaxpr is an inlined
@@ -944,13 +959,10 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
                 edges += plan_cost(k.nd_sbp, c.nd_sbp, c.shape, hier, size)[0]
         return trips * program_cost(sub) + edges
 
-    if eqn is None or inf.depth != 1 or not _planner.enabled():
-        return min(options, key=total)
-    sigs = [sig_of(*o) for o in options]
-    inf.trace.append(("node", eqn, list(cur), sigs, [trips * program_cost(sub) for _, sub in options]))
-    if inf.fixed is not None and (sig := inf.fixed.get(id(eqn))) in sigs:
-        inf.followed.add(id(eqn))
-        return options[sigs.index(sig)]
+    if eqn is not None and inf.plans_nodes():
+        k = inf.node_choice(eqn, cur, [sig_of(*o) for o in options], [trips * program_cost(sub) for _, sub in options])
+        if k is not None:
+            return options[k]
     return min(options, key=total)
 
 
@@ -1113,26 +1125,26 @@ def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
                     exits += plan_cost(lay.nd_sbp, w, lay.shape, hier, _itemsize(v.aval))[0]
         return sum(program_cost(sub) for sub in option) + exits
 
-    glob = inf.depth == 1 and _planner.enabled()
+    glob = inf.plans_nodes()
     if not glob and total(subs) == 0.0:
         return subs  # nothing to gain
     branches, ops = eqn.params["branches"], cur[1:]
     options = [subs]
     seen = {tuple(l.nd_sbp for l in subs[0].out_layouts)}
-    wants = [_branch_program(inf, b, ops).out_layouts for b in branches[1:]]
-    wants.append([inf.lay_b(v.aval) for v in eqn.outvars])
-    for lays in wants:
+    own = [(i, _branch_program(inf, b, ops)) for i, b in enumerate(branches) if i > 0]
+    own.append((None, None))  # B
+    for i, sub in own:
+        lays = [inf.lay_b(v.aval) for v in eqn.outvars] if sub is None else sub.out_layouts
         nd = tuple(l.nd_sbp for l in lays)
         if nd not in seen:
             seen.add(nd)
-            options.append([_branch_program(inf, b, ops, list(nd)) for b in branches])
+            options.append([sub if j == i else _branch_program(inf, b, ops, list(nd)) for j, b in enumerate(branches)])
     if glob:
         ins = (idx_want.nd_sbp, *(l.nd_sbp for l in ops))
-        sigs = [(ins, tuple(l.nd_sbp for l in o[0].out_layouts)) for o in options]
-        inf.trace.append(("node", eqn, list(cur), sigs, [sum(program_cost(sub) for sub in o) for o in options]))
-        if inf.fixed is not None and (sig := inf.fixed.get(id(eqn))) in sigs:
-            inf.followed.add(id(eqn))
-            return options[sigs.index(sig)]
+        k = inf.node_choice(eqn, cur, [(ins, tuple(l.nd_sbp for l in o[0].out_layouts)) for o in options],
+                            [sum(program_cost(sub) for sub in o) for o in options])
+        if k is not None:
+            return options[k]
     return min(options, key=total)
 
 
