@@ -1027,9 +1027,19 @@ def _body_program(inf: _Inference, jaxpr, consts, in_layouts, out_nd=None) -> Pr
     return prog
 
 
+def scan_counts(params) -> tuple[int, int]:
+    """How many operands of a ``scan`` equation are constants and how many the carry: the
+    ``num_consts`` / ``num_carry`` parameters up to JAX 0.10; from 0.11 the flat tree ``ft_in``
+    of (constants, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def _infer_scan(inf: _Inference, eqn, cur):
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_counts(p)
     closed = p["jaxpr"]
     consts_l = cur[:nc]
     xs_l = cur[nc + nk:]
@@ -1320,7 +1330,7 @@ def _emit_annotate(st, ins):
 
 def _emit_scan(st, ins):
     p = st.eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_counts(p)
     consts, init, xs = ins[:nc], ins[nc: nc + nk], ins[nc + nk:]
     sub = st.sub
 

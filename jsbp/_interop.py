@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import _sbp
-from ._errors import SbpError
+from ._errors import PlacementError, SbpError
 from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
 
@@ -234,16 +235,51 @@ def no_context_mesh():
         return
     # under a user's transformation (jax.jit / jax.grad): set_mesh is refused there; JAX's own
     # context variables are swapped instead (the same thing set_mesh does)
-    from jax._src import config as _config
     from jax._src import mesh as _mesh
 
-    prev_a = _config.abstract_mesh_context_manager.swap_local(_mesh.empty_abstract_mesh)
-    prev_c = _config.device_context.swap_local(_mesh.empty_concrete_mesh)
+    held, concrete = _mesh_holders()
+    prev_a = held.swap_local(_mesh.empty_abstract_mesh)
+    prev_c = concrete.swap_local(_mesh.empty_concrete_mesh) if concrete is not None else None
     try:
         yield
     finally:
-        _config.abstract_mesh_context_manager.set_local(prev_a)
-        _config.device_context.set_local(prev_c)
+        held.set_local(prev_a)
+        if concrete is not None:
+            concrete.set_local(prev_c)
+
+
+def _mesh_holders(by_name: bool = True):
+    """JAX's thread-local holders of the context's abstract and concrete mesh (what
+    ``jax.set_mesh`` swaps): ``jax._src.config.abstract_mesh_context_manager`` / ``device_context``
+    up to JAX 0.11.1; where those names are gone (0.11.2), the holders in JAX's config and mesh
+    modules whose value is the mesh in context now. The concrete one may be None (not found:
+    JAX then checks only the abstract mesh)."""
+    from jax._src import config as _config
+    from jax._src import mesh as _mesh
+
+    if by_name and hasattr(_config, "abstract_mesh_context_manager") and hasattr(_config, "device_context"):
+        return _config.abstract_mesh_context_manager, _config.device_context
+    get_concrete = getattr(_mesh, "get_concrete_mesh", None)
+    want = {"abstract": jax.sharding.get_abstract_mesh(), "concrete": get_concrete() if get_concrete else None}
+    found: dict = {}
+    for mod in (_config, _mesh, sys.modules.get("jax._src.sharding_impls")):
+        for holder in vars(mod).values() if mod is not None else ():
+            if not (hasattr(holder, "swap_local") and hasattr(holder, "set_local")):
+                continue
+            try:
+                value = holder.value
+            except Exception:  # a holder that cannot be read here is not one of these
+                continue
+            for what, mesh in want.items():
+                if mesh is not None and value is mesh and not getattr(mesh, "empty", True):
+                    found.setdefault(what, holder)
+    if "abstract" not in found:
+        raise PlacementError(
+            "jsbp cannot run its own program under this JAX's jax.set_mesh inside a transformation "
+            f"(JAX {jax.__version__}: the context mesh's holder was not found). Call the eager jsbp "
+            "operation outside jax.jit / jax.grad, put it inside jsbp.jit, or leave the set_mesh block."
+        )
+    return found["abstract"], found.get("concrete")
 
 
 class meshless:

@@ -292,6 +292,29 @@ CONTROL = {
 }
 
 
+def test_scan_operand_counts_read_both_parameter_styles():
+    """A scan's constants / carry counts: this JAX's own equation, and the flat-tree parameters
+    (``ft_in`` = (constants, carry, xs)) that replace ``num_consts`` / ``num_carry`` in JAX 0.11."""
+    from jsbp._compiler import scan_counts
+
+    w, c0, xs = jnp.ones(3), jnp.zeros(3), jnp.ones((5, 3))
+
+    def f(w, c0, xs):
+        return jax.lax.scan(lambda c, x: (c + w * x, c.sum()), c0, xs)
+
+    (eqn,) = [e for e in jax.make_jaxpr(f)(w, c0, xs).jaxpr.eqns if e.primitive.name == "scan"]
+    assert scan_counts(eqn.params) == (1, 1)
+
+    class FlatTree:  # the part of jax._src.flattree.FlatTree that scan_counts reads
+        def __init__(self, *groups):
+            self.groups = groups
+
+        def unpack(self):
+            return self.groups
+
+    assert scan_counts({"ft_in": FlatTree([0, 1], [2, 3, 4], [5])}) == (2, 3)
+
+
 @pytest.mark.parametrize("name", list(CONTROL))
 def test_control_flow_and_calls(name):
     fn, lays = CONTROL[name]

@@ -82,6 +82,7 @@ def count_collectives(fn, *args, **kwargs) -> dict[str, int]:
         except Exception as consistent:  # eager-API code (GlobalTensor methods), or no global tensor
             try:
                 lowered = jax.jit(fn).lower(*args, **kwargs)
-            except Exception:
+            except Exception as eager:
+                consistent.add_note(f"compiling it with jax.jit instead failed too: {type(eager).__name__}: {eager}")
                 raise consistent from None
     return collectives_in_hlo(lowered.compile().as_text())

@@ -27,6 +27,7 @@ UNARY = (
     "ceil", "round", "erf", "erfc", "erf_inv", "lgamma", "digamma", "is_finite", "not", "integer_pow",
     "square", "population_count", "clz", "reduce_precision",
     "bessel_i0e", "bessel_i1e",
+    "one_minus_square", "log2",  # JAX >= 0.11 (one_minus_square: 1 - x**2, the derivative of tanh)
 )
 # fmt: on
 # fmt: off
