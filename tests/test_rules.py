@@ -1322,3 +1322,33 @@ def test_contributing_worked_example(monkeypatch):
     monkeypatch.setitem(_registry._RULES, "rowsum", dataclasses.replace(rule, local=None))
     _, errors = _check_now("rowsum")
     assert any("(S(1))) -> ((P))" in k and "7, 5" in k for k in errors), errors
+
+
+# primitives of jax.lax's own modules that run replicated on purpose (docs/rules.md, "Primitives
+# without a rule"): tokens, stateful or ragged ops, staging markers, and two special-function
+# internals that only their own gradients emit
+_LAX_WITHOUT_RULE = {
+    "after_all", "composite", "create_token", "dce_sink", "empty", "from_edtype", "mulhi",
+    "ragged_dot_general", "reduce", "rng_uniform", "stage", "tie", "to_edtype",
+    "igamma_grad_a", "regularized_incomplete_beta",
+}
+
+
+def test_every_lax_primitive_has_a_rule_or_is_listed():
+    """Each primitive that ``jax.lax`` defines (its core, special-function and slicing modules)
+    has a rule, a compiler handler, or is listed above. A newer JAX adds primitives (0.11:
+    ``one_minus_square``, which ``jax.grad`` of ``tanh`` emits, and ``log2``): run on it, this
+    names them, instead of models silently running them replicated."""
+    from jax._src import core as jcore_src
+    from jax._src.lax import lax as lax_core
+    from jax._src.lax import slicing, special
+
+    import jsbp._compiler as C
+
+    known = set(registered()) | set(HANDLED_BY_COMPILER) | set(C._HIGHER_ORDER) | _LAX_WITHOUT_RULE
+    defined = {v.name for m in (lax_core, special, slicing) for v in vars(m).values()
+               if isinstance(v, jcore_src.Primitive)}
+    assert len(defined) > 100  # the modules were read
+    new = sorted(defined - known)
+    assert not new, (f"jax {jax.__version__} defines primitives jsbp has no rule for: {new}. Register a rule "
+                     "(jsbp/rules/, CONTRIBUTING.md) or add them to _LAX_WITHOUT_RULE with a line in docs/rules.md.")
