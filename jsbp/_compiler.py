@@ -949,21 +949,22 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
     options = _loop_carry_options(inf, make_sub, carry_init, avals, free, outs_of, gives_back)
     hier = inf.placement.hierarchy
 
-    def total(option):
-        carry, sub = option
+    body = [trips * program_cost(sub) for _, sub in options]
+
+    def total(i):
         edges = 0.0
-        for c, k, aval in zip(carry_init, carry, avals):
+        for c, k, aval in zip(carry_init, options[i][0], avals):
             if c.nd_sbp != k.nd_sbp:
                 size = _itemsize(aval)
                 edges += plan_cost(c.nd_sbp, k.nd_sbp, c.shape, hier, size)[0]
                 edges += plan_cost(k.nd_sbp, c.nd_sbp, c.shape, hier, size)[0]
-        return trips * program_cost(sub) + edges
+        return body[i] + edges
 
     if eqn is not None and inf.plans_nodes():
-        k = inf.node_choice(eqn, cur, [sig_of(*o) for o in options], [trips * program_cost(sub) for _, sub in options])
+        k = inf.node_choice(eqn, cur, [sig_of(*o) for o in options], body)
         if k is not None:
             return options[k]
-    return min(options, key=total)
+    return options[min(range(len(options)), key=total)]
 
 
 def _loop_carry_options(inf, make_sub, carry_init, avals, free, outs_of, gives_back):
@@ -1127,16 +1128,17 @@ def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
     hier = inf.placement.hierarchy
     wanted = [() if isinstance(v, jcore.DropVar) else tuple(inf.demand.get(inf.key(v), ())) for v in eqn.outvars]
 
-    def total(option):
-        exits = 0.0
+    def exits(option):
+        cost = 0.0
         for lay, wants, v in zip(option[0].out_layouts, wanted, eqn.outvars):
             for w in wants:
                 if w != lay.nd_sbp:
-                    exits += plan_cost(lay.nd_sbp, w, lay.shape, hier, _itemsize(v.aval))[0]
-        return sum(program_cost(sub) for sub in option) + exits
+                    cost += plan_cost(lay.nd_sbp, w, lay.shape, hier, _itemsize(v.aval))[0]
+        return cost
 
     glob = inf.plans_nodes()
-    if not glob and total(subs) == 0.0:
+    first_cost = sum(program_cost(sub) for sub in subs)
+    if not glob and first_cost + exits(subs) == 0.0:
         return subs  # nothing to gain
     branches, ops = eqn.params["branches"], cur[1:]
     options = [subs]
@@ -1149,13 +1151,13 @@ def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
         if nd not in seen:
             seen.add(nd)
             options.append([sub if j == i else _branch_program(inf, b, ops, list(nd)) for j, b in enumerate(branches)])
+    body = [first_cost] + [sum(program_cost(sub) for sub in o) for o in options[1:]]
     if glob:
         ins = (idx_want.nd_sbp, *(l.nd_sbp for l in ops))
-        k = inf.node_choice(eqn, cur, [(ins, tuple(l.nd_sbp for l in o[0].out_layouts)) for o in options],
-                            [sum(program_cost(sub) for sub in o) for o in options])
+        k = inf.node_choice(eqn, cur, [(ins, tuple(l.nd_sbp for l in o[0].out_layouts)) for o in options], body)
         if k is not None:
             return options[k]
-    return min(options, key=total)
+    return options[min(range(len(options)), key=lambda i: body[i] + exits(options[i]))]
 
 
 def _branch_program(inf: _Inference, closed, ops, out_nd=None) -> Program:

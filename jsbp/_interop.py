@@ -259,6 +259,8 @@ def _mesh_holders(by_name: bool = True):
 
     if by_name and hasattr(_config, "abstract_mesh_context_manager") and hasattr(_config, "device_context"):
         return _config.abstract_mesh_context_manager, _config.device_context
+    if by_name and _FOUND_HOLDERS:  # module-level objects: found once, they stay the holders
+        return _FOUND_HOLDERS[0]
     get_concrete = getattr(_mesh, "get_concrete_mesh", None)
     want = {"abstract": jax.sharding.get_abstract_mesh(), "concrete": get_concrete() if get_concrete else None}
     found: dict = {}
@@ -279,7 +281,13 @@ def _mesh_holders(by_name: bool = True):
             f"(JAX {jax.__version__}: the context mesh's holder was not found). Call the eager jsbp "
             "operation outside jax.jit / jax.grad, put it inside jsbp.jit, or leave the set_mesh block."
         )
-    return found["abstract"], found.get("concrete")
+    holders = found["abstract"], found.get("concrete")
+    if by_name and holders[1] is not None:
+        _FOUND_HOLDERS.append(holders)
+    return holders
+
+
+_FOUND_HOLDERS: list = []  # ``_mesh_holders``' search, once it found both
 
 
 class meshless:
