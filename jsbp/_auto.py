@@ -203,6 +203,9 @@ def _var_bytes(v, lay: Layout) -> int:
     return _local_bytes(lay, v.aval.dtype)
 
 
+_LOOPS = frozenset({"scan", "while"})
+
+
 def _intermediate_peak(prog: Program, in_place=frozenset()) -> int:
     """Peak bytes of the values ``prog`` makes (its inputs excluded), walking its steps in order;
     the values in ``in_place`` take no room (written over an input they replace)."""
@@ -228,7 +231,10 @@ def _intermediate_peak(prog: Program, in_place=frozenset()) -> int:
             if last.get(v, -1) > i:
                 sizes[v] = n
         inner = max((_intermediate_peak(s) for s in subprograms(st)), default=0)
-        peak = max(peak, live + boxed + made + inner)
+        if st.eqn.primitive.name in _LOOPS:  # the stacked outputs stay while each step's body runs
+            peak = max(peak, live + boxed + made + inner)
+        else:  # a call or a cond runs its body once: its outputs are among the body's peak
+            peak = max(peak, live + boxed + max(made, inner))
         live += sum(sizes.get(v, 0) for v in st.eqn.outvars)
         for v in st.eqn.invars:
             if not isinstance(v, jcore.Literal) and last.get(v) == i and v in sizes:

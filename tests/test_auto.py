@@ -183,6 +183,42 @@ def test_core_fixed_is_kept(plc):
     assert "[0]['w1']" in str(r)
 
 
+def _adam_update(correct):
+    """Adam's update of parameters from gradients, with ``correct`` making the bias-corrected
+    moments of the whole tree."""
+    def update(p, opt, g):
+        m = jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, opt[0], g)
+        v = jax.tree.map(lambda a, b: 0.99 * a + 0.01 * b * b, opt[1], g)
+        mh, vh = correct(m, v)
+        p = jax.tree.map(lambda a, b, c: a - 1e-2 * b / (jnp.sqrt(c) + 1e-6), p, mh, vh)
+        return p, (m, v)
+    return update
+
+
+def _bias_correct(m, v):
+    return jax.tree.map(lambda a: a / 0.1, m), jax.tree.map(lambda a: a / 0.01, v)
+
+
+def test_nested_call_outputs_counted_once(plc):
+    """optax's Adam corrects its moments' bias in one ``jax.jit(inline=True)`` over the whole
+    tree; JAX 0.10 inlines it, JAX 0.11 keeps it a nested ``jit``. The predicted peak of live
+    intermediates is the same either way: a call's outputs are part of its body's peak, not added
+    on top of it (they were counted twice, and under JAX 0.11 the GPT of ``test_flax_auto_*`` fit
+    no quarter budget: 145 KiB of intermediates predicted instead of 115)."""
+    from jsbp._auto import _intermediate_peak, _updates
+
+    p, opt = _init()
+    put = lambda a: jsbp.to_global(a, placement=plc, sbp=(S0,))  # noqa: E731
+    args = jax.tree.map(put, (p, opt, p))
+    peaks = []
+    for correct in (_bias_correct, jax.jit(_bias_correct)):
+        prog = jsbp.jit(_adam_update(correct)).lower_program(*args).program
+        assert any(st.eqn.primitive.name in ("jit", "pjit") for st in prog.steps) == (correct is not _bias_correct)
+        peaks.append(_intermediate_peak(prog, _updates(prog)))
+    # the two bias-corrected moment trees, split 8 ways, are live at once
+    assert peaks[0] == peaks[1] >= 2 * _state_bytes() // 3 // 8, peaks
+
+
 def test_core_bad_inputs(plc):
     p, opt = _init()
     with pytest.raises(jsbp.SbpError, match=r"memory_budget=1.00 KiB per device is less than the inputs alone need.*49.00 KiB.*Raise the budget"):
@@ -255,11 +291,11 @@ def _auto(budget=None):
                                optimizer=opt, loss_fn=tg.loss_fn, batch=_gpt_batches()[0])
 
 
-def _check_params(model, ref_params):
+def _check_params(model, ref_params, tol=1e-5):
     got = jflax.gather(model)
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(got, nnx.Param)),
                                  nnx.to_flat_state(ref_params)):
-        assert _rel(a.get_value(), b.get_value()) < 1e-5, path
+        assert _rel(a.get_value(), b.get_value()) < tol, path
 
 
 def test_flax_auto_budget_quarter(gpt_reference):
@@ -300,7 +336,11 @@ def test_flax_auto_no_budget_cheapest_and_matches(gpt_reference):
         assert rep.chosen.estimate.seconds <= e.seconds * (1 + 1e-9), (parallel, zero, str(rep))
     losses, model, _, _ = _train(s)
     np.testing.assert_allclose(losses, gpt_reference[0], rtol=1e-5)
-    _check_params(model, gpt_reference[1])
+    # the chosen plan (tp=8 {mlp}) sums the MLP's partial products in another order than one
+    # device; after three Adam steps the attention output's bias, whose gradient cancels over the
+    # 16 tokens, differs by 6.0e-6 (JAX 0.10.2) and 1.13e-5 (JAX 0.11.2) of its largest entry,
+    # every other parameter by < 1e-5 on both; the losses are bitwise equal on both
+    _check_params(model, gpt_reference[1], tol=3e-5)
 
 
 def test_flax_auto_bad_inputs():
