@@ -17,11 +17,12 @@ program (see ``docs/planner.md``) and solves it:
   annotations and JAX sharding requests are fixed targets; scan / while / cond steps keep the
   layouts the reference pass gave them (their bodies are planned by the compiler, given those).
 
-Solved exactly (``solve_ilp``: ``scipy.optimize.milp``, HiGHS) when the problem is small, and by
-OneFlow-style graph reduction (``_Pairwise``: leaves folded, chains collapsed, parallel edges
-merged) and descent (``descend``) at any size. Repeated identical layers are not solved once
-here: each is a copy of its nodes (the search this starts from ranks them once,
-``_compiler._Inference._choice_key``). The decisions are handed back to
+Solved exactly (``solve_ilp``: HiGHS, its linear relaxation where that comes out integral, else
+``scipy.optimize.milp``) when the problem is small, and by OneFlow-style graph reduction
+(``_Pairwise``: leaves folded, chains collapsed, parallel edges merged) and descent
+(``descend``) at any size. Repeated identical layers are solved once where the whole problem is
+too large for the exact solver: equations of one role (``roles``) share one node of the problem
+of roles (``quotient``), whose answer is copied to every copy. The decisions are handed back to
 the compiler's forward pass (``_Inference.fixed``), which builds an ordinary ``Program`` from them
 — every candidate it follows is legal for the layouts it sees, so a plan can be costly but never
 wrong.
@@ -484,13 +485,37 @@ def solve_ilp(prob: Problem, time_limit: float | None = None) -> list[int] | Non
     ub = np.concatenate(ub + [np.asarray(extra_ub)])
     integ = np.concatenate(integ + [np.zeros(n_extra)])
     a = coo_matrix((data, (rows, cols)), shape=(r, nvar)).tocsr()
-    res = milp(c, constraints=LinearConstraint(a, lo, hi), integrality=integ, bounds=Bounds(lb, ub),
-               options={"time_limit": time_limit, "node_limit": ILP_NODE_LIMIT, "disp": False,
-                        "mip_rel_gap": 1e-6})
-    if res.x is None:
-        return None
-    x = res.x[:nx]
+    x = _integral_relaxation(c, a, np.asarray(lo), np.asarray(hi), lb, ub, integ, time_limit)
+    if x is None:
+        res = milp(c, constraints=LinearConstraint(a, lo, hi), integrality=integ, bounds=Bounds(lb, ub),
+                   options={"time_limit": time_limit, "node_limit": ILP_NODE_LIMIT, "disp": False,
+                            "mip_rel_gap": 1e-6})
+        if res.x is None:
+            return None
+        x = res.x
+    x = x[:nx]
     return [int(np.argmax(x[base[u]: base[u + 1]])) for u in range(len(nodes))]
+
+
+def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit):
+    """The solution of ``solve_ilp``'s linear relaxation when every integer variable comes out
+    0 or 1 (then it is optimal for the mixed-integer program as well), else None. With the joint
+    rows the relaxation is usually integral already, and HiGHS's simplex alone takes less than
+    half of what ``milp`` spends around the same LP (presolve, cuts, heuristics): the 24-block TP
+    GPT step's problem of roles, 41 121 variables, 0.39 s against 0.92 s."""
+    from scipy.optimize import linprog
+    from scipy.sparse import vstack
+
+    eq = lo == hi
+    up, down = ~eq & np.isfinite(hi), ~eq & np.isfinite(lo)
+    a_ub = vstack([a[up], -a[down]]).tocsr() if up.any() or down.any() else None
+    b_ub = np.concatenate([hi[up], -lo[down]]) if a_ub is not None else None
+    res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a[eq] if eq.any() else None, b_eq=lo[eq] if eq.any() else None,
+                  bounds=np.stack([lb, ub], axis=1), method="highs", options={"time_limit": time_limit})
+    if res.status != 0 or res.x is None:
+        return None
+    xi = res.x[integ > 0]
+    return res.x if np.all(np.minimum(xi, 1.0 - xi) <= 1e-7) else None
 
 
 def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):

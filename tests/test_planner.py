@@ -59,24 +59,33 @@ SMALL = {  # (function, arguments): a few equations, every combination of candid
 }
 
 
+@pytest.mark.parametrize("solver", ["relaxation", "milp"])
 @pytest.mark.parametrize("joint", [True, False], ids=["joint", "per-target"])
 @pytest.mark.parametrize("case", list(SMALL))
-def test_ilp_finds_the_exhaustive_optimum(case, joint, monkeypatch):
+def test_ilp_finds_the_exhaustive_optimum(case, joint, solver, monkeypatch):
     """On a program small enough to enumerate, the mixed-integer program's choice costs what the
     best of every combination of candidates costs (conversions costed from the value as made),
     with either formulation of a value's conversions (``_joint_rows``, or the rows per target
-    that large values keep)."""
+    that large values keep), answered by the linear relaxation where it comes out integral
+    (``_integral_relaxation``) or by ``milp`` (the relaxation switched off)."""
+    prob, _ = _problem(*SMALL[case](), monkeypatch)  # (undoes the monkeypatches made before it)
     if not joint:
         monkeypatch.setattr(G, "ILP_JOINT_MAX", 0)
-    prob, _ = _problem(*SMALL[case](), monkeypatch)
+    relaxed = []
+    if solver == "milp":
+        monkeypatch.setattr(G, "_integral_relaxation", lambda *a: relaxed.append(None))
+    else:
+        first = G._integral_relaxation
+        monkeypatch.setattr(G, "_integral_relaxation", lambda *a: relaxed.append(first(*a)) or relaxed[-1])
     if case == "pinned":  # the case is there for its shared value: check that it has one
         assert any(v.shared and len(v.uses) >= 2 and v.producer is not None for v in prob.values.values())
     sizes = [len(n.cands) for n in prob.nodes]
     assert 1 < np.prod(sizes, dtype=float) < 3e5, sizes
     best = min(G.objective(prob, list(c), hubs=False) for c in itertools.product(*map(range, sizes)))
     got = G.solve_ilp(prob)
-    assert got is not None
+    assert got is not None and len(relaxed) == 1
     assert G.objective(prob, got, hubs=False) == pytest.approx(best, rel=1e-9, abs=1e-6)
+    print("RELAXED", case, joint, solver, relaxed[0] is not None)
 
 
 def test_without_scipy_the_other_solvers_answer(monkeypatch):
