@@ -203,9 +203,6 @@ def _var_bytes(v, lay: Layout) -> int:
     return _local_bytes(lay, v.aval.dtype)
 
 
-_LOOPS = frozenset({"scan", "while"})
-
-
 def _intermediate_peak(prog: Program, in_place=frozenset()) -> int:
     """Peak bytes of the values ``prog`` makes (its inputs excluded), walking its steps in order;
     the values in ``in_place`` take no room (written over an input they replace)."""
@@ -231,7 +228,7 @@ def _intermediate_peak(prog: Program, in_place=frozenset()) -> int:
             if last.get(v, -1) > i:
                 sizes[v] = n
         inner = max((_intermediate_peak(s) for s in subprograms(st)), default=0)
-        if st.eqn.primitive.name in _LOOPS:  # the stacked outputs stay while each step's body runs
+        if st.kind in ("scan", "while"):  # the stacked outputs stay while each step's body runs
             peak = max(peak, live + boxed + made + inner)
         else:  # a call or a cond runs its body once: its outputs are among the body's peak
             peak = max(peak, live + boxed + max(made, inner))

@@ -502,7 +502,8 @@ def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit):
     0 or 1 (then it is optimal for the mixed-integer program as well), else None. With the joint
     rows the relaxation is usually integral already, and HiGHS's simplex alone takes less than
     half of what ``milp`` spends around the same LP (presolve, cuts, heuristics): the 24-block TP
-    GPT step's problem of roles, 41 121 variables, 0.39 s against 0.92 s."""
+    GPT step's problem of roles, 41 121 variables, 0.39 s against 0.92 s. A fractional
+    relaxation is solved again inside ``milp`` (not seen on the benchmark's programs)."""
     from scipy.optimize import linprog
     from scipy.sparse import vstack
 
