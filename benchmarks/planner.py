@@ -22,7 +22,9 @@ a 1 MiB latency per collective, the boxing planner's model) and the planning tim
 
 The timing rows plan the un-hinted GPT train step with 1, 4, 16 and 24 blocks under DPxTP on a
 (2, 4) placement and TP on (8,), cold (jsbp's memo caches emptied first): ``infer`` alone,
-tracing excluded, the fastest of ``--reps`` (3) plans. ``--hints 1,4`` (alone: ``--only hints --hints 1,4``) adds the un-hinted TP step's plans against the hinted step's,
+tracing excluded, the fastest of ``--reps`` (3) plans; each planner as ``jsbp.jit`` runs it
+(from 8 blocks on, repeated layers are planned once: ``jsbp/_repeat.py``) and planning the whole
+program (``JSBP_REUSE_LAYERS=0``). ``--hints 1,4`` (alone: ``--only hints --hints 1,4``) adds the un-hinted TP step's plans against the hinted step's,
 costed on one problem (communication and compute) and timed.
 """
 
@@ -210,20 +212,24 @@ def planning_times(layers_list=(1, 4, 16, 24), reps=1, strategy="DPxTP") -> list
         a, k, _, _ = cap.calls[0]
         row = {"strategy": strategy, "layers": layers, "eqns": len(_compiler._dce(a[1]).eqns)}
         for planner in PLANNERS:
-            set_planner(planner)
-            best = None
-            for _ in range(reps):
-                bc.clear_jsbp_caches()
-                gc.collect()  # the earlier rows' garbage, not this plan's
-                t = time.perf_counter()
-                prog = _compiler.infer(*a, **k)
-                dt = time.perf_counter() - t
-                best = dt if best is None else min(best, dt)
-            row[planner] = {
-                "plan_s": best,
-                "cost": _compiler.program_cost(prog),
-                "combined": _planner.combined_cost(prog),  # as it runs: combined collectives once
-            }
+            for whole in (False, True):  # repeated layers planned once (jsbp/_repeat.py) or not
+                set_planner(planner)
+                if whole:
+                    os.environ["JSBP_REUSE_LAYERS"] = "0"
+                best = None
+                for _ in range(reps):
+                    bc.clear_jsbp_caches()
+                    gc.collect()  # the earlier rows' garbage, not this plan's
+                    t = time.perf_counter()
+                    prog = _compiler.infer(*a, **k)
+                    dt = time.perf_counter() - t
+                    best = dt if best is None else min(best, dt)
+                os.environ.pop("JSBP_REUSE_LAYERS", None)
+                row[planner + (" whole" if whole else "")] = {
+                    "plan_s": best,
+                    "cost": _compiler.program_cost(prog),
+                    "combined": _planner.combined_cost(prog),  # as it runs: combined collectives once
+                }
         set_planner("search")
         rows.append(row)
         print(f"  {layers} layers: {row}", file=sys.stderr, flush=True)
@@ -335,14 +341,21 @@ def cost_table(results: dict) -> str:
 
 
 def time_table(rows) -> str:
-    lines = ["| step | blocks | equations | search plan (s) | global plan (s) | search cost (MB-eq) | "
-             "global cost (MB-eq) | search combined (MB-eq) | global combined (MB-eq) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """Planning time and plan cost per step and depth: each planner as ``jsbp.jit`` runs it
+    (repeated layers planned once, ``jsbp/_repeat.py``) and planning the whole program
+    (``JSBP_REUSE_LAYERS=0``)."""
+    lines = ["| step | blocks | equations | search plan (s) | global plan (s) | search, whole (s) | "
+             "global, whole (s) | search cost / combined (MB-eq) | global cost / combined (MB-eq) | "
+             "global whole cost / combined (MB-eq) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        def cc(x):
+            return f"{x['cost'] / 1e6:.2f} / {x['combined'] / 1e6:.2f}"
+
         lines.append(
             f"| {r['strategy']} | {r['layers']} | {r['eqns']} | {r['search']['plan_s']:.2f} | {r['global']['plan_s']:.2f} | "
-            f"{r['search']['cost'] / 1e6:.2f} | {r['global']['cost'] / 1e6:.2f} | "
-            f"{r['search']['combined'] / 1e6:.2f} | {r['global']['combined'] / 1e6:.2f} |"
+            f"{r['search whole']['plan_s']:.2f} | {r['global whole']['plan_s']:.2f} | "
+            f"{cc(r['search'])} | {cc(r['global'])} | {cc(r['global whole'])} |"
         )
     return "\n".join(lines)
 

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from . import _planner, _sbp
+from . import _planner, _repeat, _sbp
 from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, plan_cost, run_plan
 from ._combine import Groups, combine_collectives, is_deferred, passes_on
 from ._errors import NoRuleWarning, SbpError
@@ -92,6 +92,8 @@ class Program:
     steps: list[Step]
     out_layouts: list[Layout]
     out_boxings: list[Boxing]  # boxing of outputs to requested layouts (may be empty)
+    # value -> the layout its readers are served from (``_Inference.hubs``: the global planner's)
+    hubs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def _itemsize(aval) -> int:
@@ -316,9 +318,7 @@ class _Inference:
     def step(self, eqn, env) -> Step:
         name = eqn.primitive.name
         cur = [self.read(env, v) for v in eqn.invars]
-        handler = _HIGHER_ORDER.get(name)
-        if handler is None and _call_jaxpr(eqn) is not None and name not in _registry.registered():
-            handler = _infer_call
+        handler = _static_handler(eqn)
         if name in _ARG_EXTREMA and any(x.is_split and x.dim in eqn.params["axes"] for x in cur[0].nd_sbp):
             handler = _infer_arg_extremum
         elif name in _SCANS and _scan_blocks(eqn, cur[0]) > 1:
@@ -721,6 +721,17 @@ def _eqn_key(eqn):
         return eqn
 
 
+def _static_handler(eqn):
+    """The handler of ``eqn`` that its primitive alone decides (a loop, a branch, an annotation, a
+    call to inline: ``_infer_call``), or None for a primitive with a rule. ``_Inference.step``
+    may still decompose an equation for the layouts it sees (``_infer_arg_extremum`` ...)."""
+    name = eqn.primitive.name
+    handler = _HIGHER_ORDER.get(name)
+    if handler is None and _call_jaxpr(eqn) is not None and name not in _registry.registered():
+        handler = _infer_call
+    return handler
+
+
 def _call_jaxpr(eqn):
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         j = eqn.params.get(key)
@@ -1020,7 +1031,7 @@ def _body_program(inf: _Inference, jaxpr, consts, in_layouts, out_nd=None) -> Pr
         return hit[2]
     token = _IN_BODY.set(True)
     try:
-        prog = _search(inf.placement, jaxpr, consts, in_layouts, out_nd, inf.strict, glob)
+        prog = _search(inf.placement, jaxpr, consts, in_layouts, out_nd, inf.strict, plan_globally=glob)
     finally:
         _IN_BODY.reset(token)
     if plans is not None:  # (the entry holds the body and its constants: their ids stay theirs)
@@ -1165,7 +1176,7 @@ def _branch_program(inf: _Inference, closed, ops, out_nd=None) -> Program:
     ``JSBP_PLANNER=global`` by the global planner as a program of its own, given the operand
     layouts (and the first branch's result layouts for the others)."""
     if _planner.enabled():
-        return _search(inf.placement, closed.jaxpr, closed.consts, ops, out_nd, inf.strict, True)
+        return _search(inf.placement, closed.jaxpr, closed.consts, ops, out_nd, inf.strict, plan_globally=True)
     return inf.program(closed.jaxpr, closed.consts, ops, out_nd=out_nd)
 
 
@@ -1509,7 +1520,11 @@ def infer(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = F
     with _gc_paused():
         token = _BODY_PLANS.set({})
         try:
-            prog = _search(placement, _dce(jaxpr), consts, in_layouts, out_nd, strict, _planner.enabled())
+            jaxpr = _dce(jaxpr)
+            search = functools.partial(_search, plan_globally=_planner.enabled())
+            prog = _repeat.plan(placement, jaxpr, consts, in_layouts, out_nd, strict, search)
+            if prog is None:
+                prog = search(placement, jaxpr, consts, in_layouts, out_nd, strict)
         finally:
             _BODY_PLANS.reset(token)
         _reduce_before_transposes(prog)
@@ -1539,7 +1554,8 @@ def _warn_replicated(prog: Program, placement) -> None:
         )
 
 
-def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, plan_globally=False) -> Program:
+def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cache=None,
+            plan_globally=False, all_plans=False):
     """Greedy forward inference, then up to ``LOOKAHEAD_ROUNDS`` refinements: a backward walk
     collects the layouts each value's consumers want (seeded by ``out_nd`` and annotations), and a
     new forward pass charges every candidate the boxing of its outputs to those layouts. This sees
@@ -1558,17 +1574,22 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, pla
     converted an input (``_Inference.diverged``). If none would, it *is* the free seed, and is
     refined as such. Otherwise its refined cost times ``SEED_SLACK`` is the free seed's budget:
     the free seed stops as soon as its boxings cost that much (a refinement pass rarely gains
-    more), and is refined only if it stays within it."""
+    more), and is refined only if it stays within it.
+
+    ``all_plans``: the list of every plan considered, the search's first (``_repeat`` ranks them
+    for the whole program)."""
     if plan_globally:  # the global planner (``JSBP_PLANNER=global``) starts from this search's plan
-        return _planner.search(placement, jaxpr, consts, in_layouts, out_nd, strict)
-    return _search_pass(placement, jaxpr, consts, in_layouts, out_nd, strict)[0]
+        return _planner.search(placement, jaxpr, consts, in_layouts, out_nd, strict, cache, all_plans)
+    prog = _search_pass(placement, jaxpr, consts, in_layouts, out_nd, strict, cache)[0]
+    return [prog] if all_plans else prog
 
 
-def _search_pass(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
-    """``_search``'s program and the inference pass that built it (``_planner`` starts there)."""
+def _search_pass(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cache=None):
+    """``_search``'s program and the inference pass that built it (``_planner`` starts there).
+    ``cache``: the candidates and rankings (``_Inference.cands_cache``) to start from and add to."""
     args = (jaxpr, consts, in_layouts, out_nd)
     inputs = frozenset(jaxpr.invars)
-    anch = _Inference(placement, None, {}, inputs, strict=strict)
+    anch = _Inference(placement, None, {} if cache is None else cache, inputs, strict=strict)
     anch.diverged = False
     anch_prog = anch.program(*args)
     if not anch.diverged:

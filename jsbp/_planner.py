@@ -984,7 +984,7 @@ def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[i
 # -------------------------------------------------------------------------------------------
 
 
-def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
+def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cache=None, all_plans=False):
     """The globally planned ``Program`` of ``jaxpr`` (``_compiler.infer``'s planner when
     ``JSBP_PLANNER=global``).
 
@@ -995,11 +995,12 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
     signatures (``_Inference.fixed``). Where the chosen layouts change which equations exist (an
     ``argmax`` over a dim that is now split is decomposed, an inlined call's rule looks at other
     layouts), the forward pass decides those equations itself; a further round re-plans from that
-    pass while the modelled cost drops."""
+    pass while the modelled cost drops. ``all_plans``: every plan made, the search's first,
+    unranked (``_repeat`` ranks them for the whole program a reduced one stands for)."""
     from ._compiler import _Inference, _search_pass, program_cost
 
     args = (jaxpr, consts, in_layouts, out_nd)
-    prog, inf = _search_pass(placement, *args, strict=strict)
+    prog, inf = _search_pass(placement, *args, strict=strict, cache=cache)
     plans = [(program_cost(prog), 0, prog)]  # the starting plan is kept only if cheaper
     for r in range(1, ROUNDS + 1):
         prob = build(inf, prog, jaxpr, out_nd)
@@ -1015,10 +1016,13 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False):
         nxt = _Inference(placement, None, inf.cands_cache, strict=strict, copies=inf.copies)
         nxt.fixed, nxt.hubs = fixed, hubs
         new = nxt.program(*args)
+        new.hubs = hubs
         plans.append((program_cost(new), -r, new))
         if len(nxt.followed) == len(fixed):
             break  # every decision was followed: another round would solve the same problem
         inf, prog = nxt, new
+    if all_plans:
+        return [p[2] for p in plans]
     # no costlier than the search's plan by ``program_cost``; among those, the cheapest once
     # combined collectives are counted once (``combined_cost``); ties: the search's plan
     ok = [p for p in plans if p[0] <= plans[0][0]]
