@@ -38,7 +38,7 @@ HEAD = 2
 """Copies kept at the start of each chain; the last of them stands for every removed copy (it
 has kept copies on both sides, like a block in the middle of the model)."""
 
-TAIL = 2
+TAIL = 1
 """Copies kept at the end of each chain."""
 
 MIN_COPIES = 8
@@ -302,11 +302,11 @@ class _Repeats:
         runs = []
         where: dict = {}  # flat index -> (run, its window in copy order, offset in it)
         for p, a, b, back in self._copies():
-            n_win = -(-(b + p - a) // p)
+            n_win = (b + p - a) // p  # whole windows only: a last partial one is no copy
             if n_win < MIN_COPIES:
                 continue
-            run = [p, a, b + p, back, n_win, 0]  # ..., shift: its window k is the program's copy k + shift
-            for i in range(a, b + p):
+            run = [p, a, a + n_win * p, back, n_win, 0]  # ..., shift: its window k is the program's copy k + shift
+            for i in range(a, a + n_win * p):
                 k, off = divmod(i - a, p)
                 where[i] = (run, n_win - 1 - k if back else k, off)
             runs.append(run)
@@ -316,8 +316,12 @@ class _Repeats:
         low = min(r[5] for r in runs)
         for r in runs:
             r[5] -= low
-        n_copies = max(r[5] + r[4] for r in runs)
-        kept = list(range(HEAD)) + list(range(n_copies - TAIL, n_copies))
+
+        def kept_of(run):
+            """The copies ``run`` keeps: the first ``HEAD`` of the program and its own last
+            ``TAIL`` (a run may reach one copy further than another, into the model's head)."""
+            end = run[5] + run[4]
+            return list(range(HEAD)) + list(range(end - TAIL, end))
 
         def index(run, g, off):
             """The flat index at offset ``off`` of the program's copy ``g`` in ``run`` (or None)."""
@@ -331,9 +335,9 @@ class _Repeats:
         removed = set()
         for i, (run, k, off) in where.items():
             g = k + run[5]
-            if HEAD <= g < n_copies - TAIL:
+            if HEAD <= g < run[5] + run[4] - TAIL:
                 removed.add(i)
-                near = [index(run, w, off) for w in (*range(HEAD - 1, -1, -1), *kept[HEAD:])]
+                near = [index(run, w, off) for w in (*range(HEAD - 1, -1, -1), *kept_of(run)[HEAD:])]
                 self.stand_in[entries[i][0]] = [entries[w][0] for w in near if w is not None]
         if len(removed) < MIN_REMOVED * len(entries):
             self.stand_in = {}
@@ -357,7 +361,8 @@ class _Repeats:
             at = where.get(u)
             if at is not None:  # the same distance away, counted in kept copies
                 gu = at[1] + at[0][5]
-                rank = kept.index(gu) + (g - gu)
+                rank = kept_of(at[0]).index(gu) + (g - gu)
+                kept = kept_of(run)
                 if 0 <= rank < len(kept):
                     target = index(run, kept[rank], off)
             return None if target is None or target >= u else entries[target][0].outvars[j]
