@@ -378,17 +378,26 @@ class _Repeats:
             r = e if all(a is b for a, b in zip(new_ins, e.invars)) else e.replace(invars=new_ins)
             eqns.append(r)
             orig_of[id(r)] = e
-        outvars, r_out_nd = [], []
+        outvars, r_out_nd, out_at = [], [], []
         for k, v in enumerate(self.jaxpr.outvars):
             v = self.resolve(v)
             if not isinstance(v, jcore.Literal) and v in made and made[v][0] in removed:
                 continue
             outvars.append(v)
+            out_at.append(k)
             r_out_nd.append(None if out_nd is None else out_nd[k])
         constvars = list(self.jaxpr.constvars) + [v for v, _ in self.inner_consts]
-        reduced = self.jaxpr.replace(constvars=constvars, outvars=outvars, eqns=eqns, debug_info=None)
         from . import _compiler as C
 
-        reduced = C._dce(reduced)
+        try:  # the kept results' names, where this JAX's debug info can say them
+            dbg = self.jaxpr.debug_info
+            dbg = dbg._replace(result_paths=tuple(dbg.result_paths[k] for k in out_at))
+        except Exception:
+            dbg = None
+        try:
+            reduced = C._dce(self.jaxpr.replace(constvars=constvars, outvars=outvars, eqns=eqns, debug_info=dbg))
+        except Exception:  # pragma: no cover - a JAX whose Jaxpr will not take these: plan whole
+            self.stand_in = {}
+            return None
         return (reduced, list(consts) + [c for _, c in self.inner_consts], None if out_nd is None else r_out_nd,
                 orig_of)
