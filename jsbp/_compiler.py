@@ -243,7 +243,8 @@ class _Inference:
         that wants ``(S(0), B)`` and one that wants ``(B, B)``, not a reduce-scatter and an
         all-reduce)."""
         hub = None if self.depth != 1 or isinstance(v, jcore.Literal) else self.hubs.get(self.key(v))
-        if hub is not None and hub not in (cur.nd_sbp, dst.nd_sbp):
+        # (not when the operand is in ``dst`` already: nothing to convert, through a hub or not)
+        if hub is not None and hub not in (cur.nd_sbp, dst.nd_sbp) and cur.nd_sbp != dst.nd_sbp:
             held = self.held(v)
             if dst.nd_sbp not in held and hub not in held:
                 h_lay = self.lay(hub, v.aval)

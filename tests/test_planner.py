@@ -138,6 +138,26 @@ def test_readers_of_one_value_share_a_hub_conversion(monkeypatch):
     assert sum(counts.values()) == 1, counts
 
 
+def test_a_reader_already_in_its_layout_skips_the_hub():
+    """A value with a hub (the global planner's) read by an equation that takes it as it is:
+    nothing to convert. The pass compared the hub's route with that "no conversion" and crashed
+    (an AttributeError on the 7-layer dict-of-layers MLP step of ``tests/test_repeat.py`` under
+    ``JSBP_PLANNER=global``); it now returns no boxing, and the next reader still goes through
+    the hub."""
+    x = jnp.zeros((8, 6), jnp.float32)
+    (v,) = jax.make_jaxpr(lambda a: a * 2.0)(x).jaxpr.outvars
+    inf = C._Inference(P2x2)
+    inf.depth = 1
+    partial, split, whole = ("P", "B"), ("S(0)", "B"), ("B", "B")
+    nd = {k: tuple(jsbp.sbp.parse(t) for t in k) for k in (partial, split, whole)}
+    inf.hubs = {v: nd[whole]}
+    cur = inf.lay(nd[partial], v.aval)
+    assert inf.box_operand(0, cur, cur, v) == []
+    first = inf.box_operand(0, cur, inf.lay(nd[split], v.aval), v)
+    assert [bx.dst.nd_sbp for bx in first] == [nd[whole], nd[split]], first  # via the hub
+    assert first[0].collectives == ["all-reduce"] and not first[1].collectives, first
+
+
 def _transformer_case(name):
     return _SEARCH_CASES[name]()
 
