@@ -22,9 +22,11 @@ Finding the copies (``_Repeats``):
    never the copy of two different values) and with the runs taken before it, or run the other
    way through the same values (the backward pass visits the blocks last to first: its copies
    are counted in the forward order); a run that does neither is left whole.
-4. *Reduce*: of each chain of copies the middle ones are removed. A kept equation that read a
-   removed value reads the matching value of the nearest kept copy instead (block ``HEAD``'s
-   output feeds the first tail block, the first tail block's gradient feeds block ``HEAD``).
+4. *Windows*: a run is cut into whole windows of its period, numbered as the program's copies
+   (``_align``: the forward and the backward runs start at different places in a layer).
+5. *Reduce*: the middle copies are removed. A kept equation that read a removed value reads the
+   matching value of the kept copy as many kept copies away instead (copy ``HEAD - 1``'s
+   output feeds the tail copy, the tail copy's gradient feeds copy ``HEAD - 1``).
 """
 
 from __future__ import annotations
@@ -293,10 +295,11 @@ class _Repeats:
         """(jaxpr, consts, out_nd, id(reduced equation) -> the equation it stands for) of the
         reduced program, or None when it would not be worth it.
 
-        A run of period ``p`` from ``a`` is cut into windows ``[a + k p, a + (k + 1) p)``,
-        numbered in the order of the copies (the other way for a reversed run); windows
-        ``HEAD <= k < K - TAIL`` of a run of ``K`` windows are removed, and each removed equation
-        takes the signature of the one at its place in window ``HEAD - 1`` (``stand_in``).
+        A run of period ``p`` from ``a`` is cut into whole windows ``[a + k p, a + (k + 1) p)``,
+        numbered in the order of the copies (the other way for a reversed run) and shifted to
+        the program's copy numbers (``_align``). Of each run, the copies ``HEAD`` up to its last
+        ``TAIL`` are removed, and each removed equation takes the signature of the one at its
+        place in copy ``HEAD - 1`` (``stand_in``: then the other kept copies, nearest first).
         Whole windows rather than whole layers: a run need not start where a layer does."""
         entries = self.entries
         runs = []
