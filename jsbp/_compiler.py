@@ -1514,7 +1514,9 @@ def _gc_paused():
 
 
 def infer(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = False) -> Program:
-    """The SBP program of ``jaxpr``: the cheapest plan found by ``_search``, with reductions moved
+    """The SBP program of ``jaxpr``: the cheapest plan found by ``_search`` (for a program whose
+    layers repeat 8 times or more, the plan of a reduced copy followed over the whole program:
+    ``_repeat.plan``), with reductions moved
     ahead of transposes where that costs nothing (``_reduce_before_transposes``) and small
     reduce-scatters / all-gathers batched into combined collectives (``_combine``). A primitive
     without a rule runs replicated with a ``NoRuleWarning`` (``strict``: an ``SbpError``)."""
