@@ -79,7 +79,9 @@ def plan(placement, jaxpr, consts, in_layouts, out_nd, strict, planner):
     plans = planner(placement, r_jaxpr, r_consts, in_layouts, r_out_nd, strict, cache, all_plans=True)
     # the equation of the reduced program whose signature each removed one takes: the last head
     # copy's or, where the reduced program dropped that one, the nearest other kept copy's
-    planned = {id(orig_of[id(x)]) for x in r_jaxpr.eqns}
+    # (an equation the reduced program's DCE rebuilt, a loop with results dropped, is not among
+    # them: the pass chooses it)
+    planned = {id(e) for x in r_jaxpr.eqns if (e := orig_of.get(id(x))) is not None}
     used = {}
     for e, kept in rep.stand_in.items():
         r = next((r for r in kept if id(r) in planned), None)
@@ -149,6 +151,11 @@ class _Repeats:
         self.inner_consts: list = []  # (constvar, value) of inlined bodies
         self._flatten(jaxpr, copies, C)
         self.operands = {e: ins for e, ins in self.entries}
+        self.made: dict = {}  # value -> (index of the entry making it, result position)
+        for i, (e, _) in enumerate(self.entries):
+            for j, v in enumerate(e.outvars):
+                if not isinstance(v, jcore.DropVar):
+                    self.made[v] = (i, j)
         self.stand_in: dict = {}  # removed equation -> the kept copy whose signature it takes
         kinds: dict = {}
         self.kind = []
@@ -266,22 +273,19 @@ class _Repeats:
         ``k`` of one is not window ``k`` of the other. A run's shift is the one most of the
         reads between it and the runs already numbered agree on (a layer's backward equations
         read that layer's forward values)."""
-        made = {}
-        for i, (e, _) in enumerate(self.entries):
-            for v in e.outvars:
-                made[v] = i
+        made = self.made
         readers: dict = {}
         for i, (_, ins) in enumerate(self.entries):
             for v in ins:
                 if not isinstance(v, jcore.Literal) and v in made:
-                    readers.setdefault(made[v], []).append(i)
+                    readers.setdefault(made[v][0], []).append(i)
         done = {id(runs[0])}
         for run in runs[1:]:
             votes: Counter = Counter()
             a, end = run[1], run[2]
             for i in range(a, end):
                 k = where[i][1]
-                others = [made[v] for v in self.entries[i][1] if not isinstance(v, jcore.Literal) and v in made]
+                others = [made[v][0] for v in self.entries[i][1] if not isinstance(v, jcore.Literal) and v in made]
                 for j in others + readers.get(i, []):
                     at = where.get(j)
                     if at is not None and id(at[0]) in done:
@@ -345,11 +349,7 @@ class _Repeats:
         if len(removed) < MIN_REMOVED * len(entries):
             self.stand_in = {}
             return None
-        made = {}
-        for i, (e, _) in enumerate(entries):
-            for j, v in enumerate(e.outvars):
-                if not isinstance(v, jcore.DropVar):
-                    made[v] = (i, j)
+        made = self.made
 
         def substitute(u, v):
             """What kept equation ``u`` reads for value ``v`` in the reduced program (None: none)."""
