@@ -18,9 +18,10 @@ program (see ``docs/planner.md``) and solves it:
   layouts the reference pass gave them (their bodies are planned by the compiler, given those).
 
 Solved exactly (``solve_ilp``: HiGHS, its linear relaxation where that comes out integral, else
-``scipy.optimize.milp``) when the problem is small, and by OneFlow-style graph reduction
-(``_Pairwise``: leaves folded, chains collapsed, parallel edges merged) and descent
-(``descend``) at any size. Repeated identical layers are solved once where the whole problem is
+``scipy.optimize.milp``) when the problem is small; on a 2-d placement where it is not, exactly
+one placement axis at a time (``by_axis``: every node's signature on one axis chosen at once, the
+other axes held); and by OneFlow-style graph reduction (``_Pairwise``: leaves folded, chains
+collapsed, parallel edges merged) and descent (``descend``) at any size. Repeated identical layers are solved once where the whole problem is
 too large for the exact solver: equations of one role (``roles``) share one node of the problem
 of roles (``quotient``), whose answer is copied to every copy. The decisions are handed back to
 the compiler's forward pass (``_Inference.fixed``), which builds an ordinary ``Program`` from them
@@ -338,7 +339,7 @@ def _layout_of(prob, val, choice):
 # -------------------------------------------------------------------------------------------
 
 
-def solve_ilp(prob: Problem, time_limit: float | None = None) -> list[int] | None:
+def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = False) -> list[int] | None:
     """The optimal choice per node (``scipy.optimize.milp`` with HiGHS), or None if the solver
     found no solution in time or scipy is not installed. Formulation (one row per item):
 
@@ -353,6 +354,10 @@ def solve_ilp(prob: Problem, time_limit: float | None = None) -> list[int] | Non
     where there are at most ``ILP_JOINT_MAX`` (layout made, layout read) pairs: a tighter
     relaxation, solved at or near the root (loop bodies of 51 equations: 9 s -> 0.7 s; the
     1-block TP GPT step 1.6 -> 1.1 s).
+
+    ``quick`` (``by_axis``'s many sub-problems): the relaxation alone, without HiGHS's presolve
+    (up to twice as fast on them); None where it is fractional (``milp`` spent 3-4 s at the root
+    of the MoE step's sub-problems, for a plan 14 % cheaper than the rest of the solver's).
     """
     try:  # scipy is optional (``pip install jsbp[planner]``): without it, descent and reduction
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -485,7 +490,9 @@ def solve_ilp(prob: Problem, time_limit: float | None = None) -> list[int] | Non
     ub = np.concatenate(ub + [np.asarray(extra_ub)])
     integ = np.concatenate(integ + [np.zeros(n_extra)])
     a = coo_matrix((data, (rows, cols)), shape=(r, nvar)).tocsr()
-    x = _integral_relaxation(c, a, np.asarray(lo), np.asarray(hi), lb, ub, integ, time_limit)
+    x = _integral_relaxation(c, a, np.asarray(lo), np.asarray(hi), lb, ub, integ, time_limit, not quick)
+    if x is None and quick:
+        return None
     if x is None:
         res = milp(c, constraints=LinearConstraint(a, lo, hi), integrality=integ, bounds=Bounds(lb, ub),
                    options={"time_limit": time_limit, "node_limit": ILP_NODE_LIMIT, "disp": False,
@@ -497,7 +504,7 @@ def solve_ilp(prob: Problem, time_limit: float | None = None) -> list[int] | Non
     return [int(np.argmax(x[base[u]: base[u + 1]])) for u in range(len(nodes))]
 
 
-def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit):
+def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit, presolve=True):
     """The solution of ``solve_ilp``'s linear relaxation when every integer variable comes out
     0 or 1 (then it is optimal for the mixed-integer program as well), else None. With the joint
     rows the relaxation is usually integral already, and HiGHS's simplex alone takes less than
@@ -512,7 +519,7 @@ def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit):
     a_ub = vstack([a[up], -a[down]]).tocsr() if up.any() or down.any() else None
     b_ub = np.concatenate([hi[up], -lo[down]]) if a_ub is not None else None
     res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a[eq] if eq.any() else None, b_eq=lo[eq] if eq.any() else None,
-                  bounds=np.stack([lb, ub], axis=1), method="highs", options={"time_limit": time_limit})
+                  bounds=np.stack([lb, ub], axis=1), method="highs", options={"time_limit": time_limit, "presolve": presolve})
     if res.status != 0 or res.x is None:
         return None
     xi = res.x[integ > 0]
@@ -552,10 +559,11 @@ def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):
         r += 1
 
     conv = {}  # (σ, τ) -> W's column, for the pairs that cost something
-    for tau in dict.fromkeys([t for per in readers for t in per] + list(val.shared)):
-        for sigma in sig:
-            if c := prob.edge(val, sigma, tau):
-                conv[(sigma, tau)] = new_vars([c])
+    costly = [(sigma, tau, c) for tau in dict.fromkeys([t for per in readers for t in per] + list(val.shared))
+              for sigma in sig if (c := prob.edge(val, sigma, tau))]
+    first = new_vars([c for _, _, c in costly])
+    for i, (sigma, tau, _) in enumerate(costly):
+        conv[(sigma, tau)] = first + i
     for tau in val.shared:  # a fixed target is converted to whatever the producer gives
         for sigma in sig:
             if (sigma, tau) in conv:
@@ -566,11 +574,18 @@ def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):
         first = new_vars([0.0] * (len(sig) * width))
         for a, sigma in enumerate(sig):  # sum_τ w[σ, τ] = l_σ
             row([(first + a * width + b, 1.0) for b in range(width)] + [(c, -1.0) for c in srcs[sigma]], 0.0, 0.0)
-        for b, (tau, colset) in enumerate(taus):  # sum_σ w[σ, τ] = the reader's share of τ
+        for b, (_, colset) in enumerate(taus):  # sum_σ w[σ, τ] = the reader's share of τ
             row([(first + a * width + b, 1.0) for a in range(len(sig))] + [(c, -1.0) for c in colset], 0.0, 0.0)
-            for a, sigma in enumerate(sig):  # W[σ, τ] >= w[σ, τ]
-                if (sigma, tau) in conv:
-                    row([(conv[(sigma, tau)], 1.0), (first + a * width + b, -1.0)], 0.0, np.inf)
+        # W[σ, τ] >= w[σ, τ] (the most numerous rows: two entries each, appended at once)
+        pairs = [(w_col, first + a * width + b) for b, (tau, _) in enumerate(taus)
+                 for a, sigma in enumerate(sig) if (w_col := conv.get((sigma, tau))) is not None]
+        for w_col, col in pairs:
+            cols += (w_col, col)
+        rows.extend(x for i in range(r, r + len(pairs)) for x in (i, i))
+        data.extend((1.0, -1.0) * len(pairs))
+        lo.extend([0.0] * len(pairs))
+        hi.extend([np.inf] * len(pairs))
+        r += len(pairs)
     return r, nvar
 
 
@@ -1106,21 +1121,70 @@ def solve(prob: Problem, start: list[int]) -> list[int]:
     return best
 
 
+AXIS_SWEEPS = 4
+"""Sweeps of ``by_axis`` over the placement's axes at most (on the GPT steps it settles in three)."""
+
+
+def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[int]:
+    """Block coordinate descent over the placement's axes: in turn for each axis, the signature
+    of every node *on that axis* is chosen exactly (``solve_ilp``), its signature on the other
+    axes held; until a sweep over the axes changes nothing. Each step is as large as the whole
+    program, unlike ``descend``'s one node at a time, and each sub-problem has about the square
+    root of the candidates of the whole (which the exact solver cannot take on a 2-d placement:
+    a GPT block's step has 795 292 LP variables). A sub-problem with more than ``ILP_MAX_VARS``
+    candidates, or whose linear relaxation is fractional (``solve_ilp``'s ``quick``), is
+    skipped. On the benchmark's 2-d programs (``docs/benchmarks_planner.md``, session 18) it made
+    the un-hinted DPxTP GPT step 21 % cheaper (29.48 -> 23.19 MB-eq), the CNN's and the test
+    suite's hybrid step about half, and no program costlier."""
+    ndim = len(prob.hierarchy)
+    # per node, per axis: each candidate's signature on every other axis (what a step holds)
+    held = []
+    for n in prob.nodes:
+        parts = [[(tuple(nd[a] for nd in ins), tuple(nd[a] for nd in outs)) for ins, outs in n.cands]
+                 for a in range(ndim)]
+        held.append([list(zip(*(parts[b] for b in range(ndim) if b != a))) for a in range(ndim)])
+    choice, obj = list(start), objective(prob, start, hubs=False)
+    settled: set = set()  # axes whose sub-problem the current choice solves
+    for step in range(sweeps * ndim):
+        axis = step % ndim
+        if len(settled) == ndim:
+            break
+        if axis in settled:
+            continue
+        settled.add(axis)
+        keep = [[s for s, h in enumerate(hs[axis]) if h == hs[axis][c]] for hs, c in zip(held, choice)]
+        if sum(map(len, keep)) > ILP_MAX_VARS:
+            continue
+        nodes = [Node(n.eqn, [n.cands[s] for s in ks], n.operands, n.outputs, n.cost[ks], kind=n.kind)
+                 for n, ks in zip(prob.nodes, keep)]
+        got = solve_ilp(Problem(prob.hierarchy, nodes, prob.values, prob._cost_cache), quick=True)
+        if got is None:
+            continue
+        new = [ks[g] for ks, g in zip(keep, got)]
+        new_obj = objective(prob, new, hubs=False)
+        if new_obj < obj - 1e-6:
+            choice, obj, settled = new, new_obj, {axis}
+    return choice
+
+
 DESCEND_MAX_NODES = 4000
 """``_solve_direct`` polishes with ``descend`` up to this many nodes; beyond, graph reduction alone
 (on deep models it found the better plans, and descent costs a second a pass there)."""
 
 
 def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
-    """Exact (``solve_ilp``) when the problem is small, graph reduction (``_Pairwise``) at any
-    size, descent (``descend``) from the start and polishing each answer up to
-    ``DESCEND_MAX_NODES``; the start when nothing beats it."""
+    """Exact (``solve_ilp``) when the problem is small, else exact one placement axis at a time
+    (``by_axis``, on 2-d placements); graph reduction (``_Pairwise``) at any size, descent
+    (``descend``) from the start and polishing each answer up to ``DESCEND_MAX_NODES``; the start
+    when nothing beats it."""
     polish = len(prob.nodes) <= DESCEND_MAX_NODES
     best = descend(prob, start) if polish else start
     best_obj = objective(prob, best)
     tries = [lambda: _Pairwise(prob).solve(start)]
     if prob.nodes and sum(len(n.cands) for n in prob.nodes) <= ILP_MAX_VARS:
         tries.append(lambda: solve_ilp(prob))
+    elif len(prob.hierarchy) >= 2:  # too large for the exact solver: exact by placement axis
+        tries.append(lambda: by_axis(prob, best))  # (from the best so far)
     for make in tries:
         got = make()
         if got is None:

@@ -108,6 +108,37 @@ def test_descent_and_reduction_never_cost_more_than_their_start(case, monkeypatc
     assert G.objective(prob, G.solve(prob, start)) <= G.objective(prob, start) + 1e-6
 
 
+def test_by_axis_solves_each_axis_exactly(monkeypatch):
+    """``by_axis`` (block coordinate descent over the placement's axes) on a 2-d program small
+    enough to enumerate: from the search's choice and from random ones it never ends costlier,
+    and it ends where no change on one axis alone (every node's signature on the other axis
+    held) is cheaper: each of its steps is exact. From a random start it gains."""
+    prob, prog = _problem(*SMALL["2d"](), monkeypatch)
+    assert len(prob.hierarchy) == 2
+
+    def obj(c):
+        return G.objective(prob, list(c), hubs=False)
+
+    def on(sig, axis):
+        return tuple(tuple(nd[axis] for nd in side) for side in sig)
+
+    rng = np.random.default_rng(0)
+    starts = [G._choice_of(prob, prog)] + [[int(rng.integers(len(n.cands))) for n in prob.nodes] for _ in range(4)]
+    gained = 0
+    for start in starts:
+        got = G.by_axis(prob, start)
+        assert obj(got) <= obj(start) + 1e-6
+        gained += obj(got) < obj(start) - 1e-6
+        for axis in range(2):
+            other = 1 - axis
+            opts = [[s for s, sig in enumerate(n.cands) if on(sig, other) == on(n.cands[c], other)]
+                    for n, c in zip(prob.nodes, got)]
+            assert any(len(o) > 1 for o in opts)
+            best = min(obj(c) for c in itertools.product(*opts))
+            assert obj(got) == pytest.approx(best, rel=1e-9, abs=1e-6), (axis, start)
+    assert gained >= 1
+
+
 def test_model_matches_program_cost(monkeypatch):
     """The objective of the plan a pass made is that plan's ``program_cost`` (plus compute and the
     planner's small local-move charges): the model and the compiler agree on what moves."""
@@ -187,7 +218,9 @@ def test_global_plan_costs_no_more_than_the_recorded_search(name, monkeypatch):
 
 def test_global_plan_of_the_benchmark_gpt_step(monkeypatch):
     """benchmarks/compiler.py's un-hinted DPxTP GPT train step: no costlier than recorded, and at
-    most the 29 collectives of the hand-written Megatron step (today's search: 33)."""
+    most the 29 collectives of the hand-written Megatron step (today's search: 33). The recorded
+    global plan ("gpt DPxTP global", 23.19 MB-eq, 12 collectives) is ``by_axis``'s: before it the
+    global planner stopped at 29.48 MB-eq (the search: 34.25)."""
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -202,8 +235,8 @@ def test_global_plan_of_the_benchmark_gpt_step(monkeypatch):
     monkeypatch.setenv("JSBP_PLANNER", "global")
     f = case.jsbp_fn()
     entry = f.lower_program(*case.jsbp_args())
-    recorded = json.loads(RECORDED.read_text())["gpt DPxTP"]["cost"]
-    assert C.program_cost(entry.program) <= recorded
+    recorded = json.loads(RECORDED.read_text())
+    assert C.program_cost(entry.program) <= recorded["gpt DPxTP global"]["cost"] < recorded["gpt DPxTP"]["cost"]
     assert sum(jsbp.debug.count_collectives(f, *case.jsbp_args()).values()) <= 29
 
 
