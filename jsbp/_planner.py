@@ -1183,7 +1183,7 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
     tries = [lambda: _Pairwise(prob).solve(start)]
     if prob.nodes and sum(len(n.cands) for n in prob.nodes) <= ILP_MAX_VARS:
         tries.append(lambda: solve_ilp(prob))
-    elif len(prob.hierarchy) >= 2:  # too large for the exact solver: exact by placement axis
+    elif prob.nodes and len(prob.hierarchy) >= 2:  # too large for the exact solver: exact by axis
         tries.append(lambda: by_axis(prob, best))  # (from the best so far)
     for make in tries:
         got = make()
