@@ -107,7 +107,7 @@ class Node:
     operands: list  # per operand: value key or None (a literal)
     outputs: list  # per output: value key or None (dropped)
     cost: np.ndarray  # per candidate: redundant compute (byte-equivalents)
-    kind: int = 0  # equal for equations sharing one candidate list (same rule, parameters, types)
+    kind: object = 0  # equal for equations sharing one candidate list (same rule, parameters, types)
 
 
 @dataclasses.dataclass
@@ -579,8 +579,7 @@ def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):
         # W[σ, τ] >= w[σ, τ] (the most numerous rows: two entries each, appended at once)
         pairs = [(w_col, first + a * width + b) for b, (tau, _) in enumerate(taus)
                  for a, sigma in enumerate(sig) if (w_col := conv.get((sigma, tau))) is not None]
-        for w_col, col in pairs:
-            cols += (w_col, col)
+        cols.extend(c for pair in pairs for c in pair)
         rows.extend(x for i in range(r, r + len(pairs)) for x in (i, i))
         data.extend((1.0, -1.0) * len(pairs))
         lo.extend([0.0] * len(pairs))
@@ -1155,8 +1154,8 @@ def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[
         keep = [[s for s, h in enumerate(hs[axis]) if h == hs[axis][c]] for hs, c in zip(held, choice)]
         if sum(map(len, keep)) > ILP_MAX_VARS:
             continue
-        nodes = [Node(n.eqn, [n.cands[s] for s in ks], n.operands, n.outputs, n.cost[ks], kind=n.kind)
-                 for n, ks in zip(prob.nodes, keep)]
+        nodes = [dataclasses.replace(n, cands=[n.cands[s] for s in ks], cost=n.cost[ks], kind=(n.kind, tuple(ks)))
+                 for n, ks in zip(prob.nodes, keep)]  # (equal kinds: equal candidate lists, as in ``build``)
         got = solve_ilp(Problem(prob.hierarchy, nodes, prob.values, prob._cost_cache), quick=True)
         if got is None:
             continue
