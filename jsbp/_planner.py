@@ -532,7 +532,8 @@ def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):
     the reader's (``sum_σ w[σ, τ]`` = its candidates reading ``τ``); a conversion
     ``W[σ, τ] >= w[σ, τ]`` (``>= l_σ`` for a fixed target), paid once however many readers
     share it. Tighter than the rows per target, where in the relaxation one σ could serve every
-    τ at once (a 51-equation loop body took HiGHS 10 s, now 1 s). ``mat``: the constraint lists
+    τ at once (a 51-equation loop body took HiGHS 10 s, now 1 s). A τ that one reader alone
+    asks for (and no fixed target) has no ``W``: ``w[σ, τ]`` carries its cost. ``mat``: the constraint lists
     (rows, cols, data, lo, hi); ``var``: the new variables' (cost, lb, ub) lists. Returns the next
     row and variable indices."""
     rows, cols, data, lo, hi = mat
@@ -558,12 +559,15 @@ def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):
         hi.append(high)
         r += 1
 
-    conv = {}  # (σ, τ) -> W's column, for the pairs that cost something
-    costly = [(sigma, tau, c) for tau in dict.fromkeys([t for per in readers for t in per] + list(val.shared))
-              for sigma in sig if (c := prob.edge(val, sigma, tau))]
-    first = new_vars([c for _, _, c in costly])
-    for i, (sigma, tau, _) in enumerate(costly):
-        conv[(sigma, tau)] = first + i
+    # a τ that one reader alone asks for needs no W: that reader's w carries the cost (W = w at
+    # the optimum); 72 % of the W rows of the DPxTP GPT step's ``by_axis`` problems
+    asked = Counter([t for per in readers for t in per] + list(val.shared))
+    edge = {(sigma, tau): c for tau in asked for sigma in sig if (c := prob.edge(val, sigma, tau))}
+    conv = {}  # (σ, τ) -> W's column, for the costly pairs asked more than once or fixed
+    shared_pairs = [pair for pair in edge if asked[pair[1]] > 1 or pair[1] in val.shared]
+    first = new_vars([edge[pair] for pair in shared_pairs])
+    for i, pair in enumerate(shared_pairs):
+        conv[pair] = first + i
     for tau in val.shared:  # a fixed target is converted to whatever the producer gives
         for sigma in sig:
             if (sigma, tau) in conv:
@@ -571,7 +575,8 @@ def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):
     for per in readers:
         taus = list(per.items())
         width = len(taus)
-        first = new_vars([0.0] * (len(sig) * width))
+        first = new_vars([0.0 if (sigma, tau) in conv else edge.get((sigma, tau), 0.0)
+                          for sigma in sig for tau, _ in taus])
         for a, sigma in enumerate(sig):  # sum_τ w[σ, τ] = l_σ
             row([(first + a * width + b, 1.0) for b in range(width)] + [(c, -1.0) for c in srcs[sigma]], 0.0, 0.0)
         for b, (_, colset) in enumerate(taus):  # sum_σ w[σ, τ] = the reader's share of τ
