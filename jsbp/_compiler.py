@@ -1558,7 +1558,7 @@ def _warn_replicated(prog: Program, placement) -> None:
 
 
 def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cache=None,
-            plan_globally=False, all_plans=False):
+            plan_globally=False, all_plans=False, weights=None):
     """Greedy forward inference, then up to ``LOOKAHEAD_ROUNDS`` refinements: a backward walk
     collects the layouts each value's consumers want (seeded by ``out_nd`` and annotations), and a
     new forward pass charges every candidate the boxing of its outputs to those layouts. This sees
@@ -1580,9 +1580,10 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cac
     more), and is refined only if it stays within it.
 
     ``all_plans``: the list of every plan considered, the search's first (``_repeat`` ranks them
-    for the whole program)."""
+    for the whole program). ``weights``: id(equation) -> how many equations of the whole program
+    it stands for (``_repeat``; the global planner's costs count them)."""
     if plan_globally:  # the global planner (``JSBP_PLANNER=global``) starts from this search's plan
-        return _planner.search(placement, jaxpr, consts, in_layouts, out_nd, strict, cache, all_plans)
+        return _planner.search(placement, jaxpr, consts, in_layouts, out_nd, strict, cache, all_plans, weights)
     prog = _search_pass(placement, jaxpr, consts, in_layouts, out_nd, strict, cache)[0]
     return [prog] if all_plans else prog
 

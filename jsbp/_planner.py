@@ -192,9 +192,15 @@ def _work(eqn, cands, hierarchy) -> np.ndarray:
     return out
 
 
-def build(inf, prog, jaxpr, out_nd) -> Problem:
+def build(inf, prog, jaxpr, out_nd, weights=None) -> Problem:
     """The problem of ``prog``, a program ``inf`` (a reference forward pass) built: its top-scope
-    equations (inlined calls included) with the candidates ``inf`` recorded for them."""
+    equations (inlined calls included) with the candidates ``inf`` recorded for them.
+
+    ``weights`` (a reduced program, ``_repeat``): id(equation) -> how many equations of the whole
+    program it stands for (the last head copy of a block: itself and every removed copy). Its
+    node's compute and the conversions of the values it makes count that many times (a value
+    without a producer: as often as its most repeated reader), so the reduced program's problem
+    weighs a block against the model's ends as the whole program does."""
     traced = {id(e[1]): e for e in inf.trace if e[0] == "prim"}
     owned = {id(e[1]): e for e in inf.trace if e[0] == "node"}  # loops, conds: candidates of their own
     hier = inf.placement.hierarchy
@@ -283,6 +289,13 @@ def build(inf, prog, jaxpr, out_nd) -> Problem:
         if want is not None and not isinstance(v, jcore.Literal):
             _, val = value(v)
             val.own.append(tuple(want))
+    if weights:
+        mult = [float(weights.get(id(n.eqn), 1)) for n in nodes]
+        for n, m in zip(nodes, mult):
+            n.cost *= m
+        for val in values.values():
+            val.weight = mult[val.producer[0]] if val.producer is not None else \
+                max((mult[f] for f, _ in val.uses), default=1.0)
     return Problem(hier, nodes, values)
 
 
@@ -937,7 +950,7 @@ def roles(prob: Problem, rounds: int = ROLE_ROUNDS) -> list[int]:
 def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[int]]:
     """The problem of roles: one node per role (its candidates, the members' compute costs
     summed) and one value per role of value: the values its members make at one result position
-    (their number is its ``Value.weight``), or the fixed values (parameters) of one shape and
+    (their weights summed are its ``Value.weight``), or the fixed values (parameters) of one shape and
     layout read at the same positions of the same roles. A value of roles is read wherever any
     of its members is (so one block's input, the previous block's output, is a node's own
     result in the problem of roles); a node reads, at each position, what most of its members
@@ -975,7 +988,7 @@ def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[i
             qv = qvalues[qk] = dataclasses.replace(
                 val, producer=None if val.producer is None else qk[1:], uses=set(), shared=set(val.shared),
                 own=list(val.own), weight=0.0, costs=val.costs)
-        qv.weight += 1.0
+        qv.weight += val.weight
         qv.uses.update((of[f], i) for f, i in val.uses)
     for qv in qvalues.values():
         qv.uses = sorted(qv.uses)
@@ -998,7 +1011,8 @@ def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[i
 # -------------------------------------------------------------------------------------------
 
 
-def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cache=None, all_plans=False):
+def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cache=None, all_plans=False,
+           weights=None):
     """The globally planned ``Program`` of ``jaxpr`` (``_compiler.infer``'s planner when
     ``JSBP_PLANNER=global``).
 
@@ -1010,14 +1024,15 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cach
     ``argmax`` over a dim that is now split is decomposed, an inlined call's rule looks at other
     layouts), the forward pass decides those equations itself; a further round re-plans from that
     pass while the modelled cost drops. ``all_plans``: every plan made, the search's first,
-    unranked (``_repeat`` ranks them for the whole program a reduced one stands for)."""
+    unranked (``_repeat`` ranks them for the whole program a reduced one stands for);
+    ``weights``: how many equations of that whole program each equation stands for (``build``)."""
     from ._compiler import _Inference, _search_pass, program_cost
 
     args = (jaxpr, consts, in_layouts, out_nd)
     prog, inf = _search_pass(placement, *args, strict=strict, cache=cache)
     plans = [(program_cost(prog), 0, prog)]  # the starting plan is kept only if cheaper
     for r in range(1, ROUNDS + 1):
-        prob = build(inf, prog, jaxpr, out_nd)
+        prob = build(inf, prog, jaxpr, out_nd, weights)
         start = _choice_of(prob, prog)
         for n, c in zip(prob.nodes, start):  # ``STICKY_BYTES`` for leaving the search's choice
             n.cost = n.cost + STICKY_BYTES

@@ -75,8 +75,6 @@ def plan(placement, jaxpr, consts, in_layouts, out_nd, strict, planner):
     if reduced is None:
         return None
     r_jaxpr, r_consts, r_out_nd, orig_of = reduced
-    cache: dict = {}
-    plans = planner(placement, r_jaxpr, r_consts, in_layouts, r_out_nd, strict, cache, all_plans=True)
     # the equation of the reduced program whose signature each removed one takes: the last head
     # copy's or, where the reduced program dropped that one, the nearest other kept copy's
     # (an equation the reduced program's DCE rebuilt, a loop with results dropped, is not among
@@ -87,6 +85,11 @@ def plan(placement, jaxpr, consts, in_layouts, out_nd, strict, planner):
         r = next((r for r in kept if id(r) in planned), None)
         if r is not None:
             used[e] = r
+    stands = Counter(id(r) for r in used.values())
+    weights = {id(x): 1 + stands[id(e)] for x in r_jaxpr.eqns if (e := orig_of.get(id(x))) is not None}
+    cache: dict = {}
+    plans = planner(placement, r_jaxpr, r_consts, in_layouts, r_out_nd, strict, cache, all_plans=True,
+                    weights=weights)
     small = plans[0] if len(plans) == 1 else _best_for_whole(plans, orig_of, used)
     decisions = {}
     for st in small.steps:

@@ -189,3 +189,35 @@ def test_benchmark_gpt_plans_as_well_as_whole(strategy, planner, monkeypatch, re
     want = json.loads(RECORDED.read_text())[f"gpt8 {strategy} {planner} whole"]
     assert C.program_cost(prog) <= want["cost"], (C.program_cost(prog), want)
     assert G.combined_cost(prog) <= want["combined"], (G.combined_cost(prog), want)
+
+
+def test_reduced_program_weighs_a_block_as_the_copies_it_stands_for(monkeypatch, reductions):
+    """The 8-block DPxTP step's reduced program keeps 3 of its 8 blocks; the last head copy
+    stands for itself and the 5 removed ones, and the global planner's problem counts its
+    equations (their compute, the conversions of what they make) 6 times, the rest once. So
+    weighed, the plan costs 115.04 / 45.83 MB-eq (``program_cost`` / combined, recorded as
+    ``gpt8 DPxTP global``); with every kept equation counted once it was 158.19 / 80.60, the
+    plan best for a 3-block model (measured both ways)."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    from test_planner import _benchmark_gpt
+
+    from jsbp import _planner as G
+
+    placement, jaxpr, consts, lays, out_nd = _benchmark_gpt(monkeypatch, "DPxTP", 8)
+    monkeypatch.setenv("JSBP_PLANNER", "global")
+    seen = []
+    build = G.build
+
+    def spy(inf, prog, jaxpr, out_nd, weights=None):
+        seen.append(weights)
+        return build(inf, prog, jaxpr, out_nd, weights)
+
+    monkeypatch.setattr(G, "build", spy)
+    prog = C.infer(placement, jaxpr, consts, lays, out_nd)
+    assert reductions, "planned whole"
+    assert seen and all(w is not None and sorted(set(w.values())) == [1, 6] for w in seen), \
+        [None if w is None else sorted(set(w.values())) for w in seen]
+    want = json.loads(RECORDED.read_text())["gpt8 DPxTP global"]
+    assert C.program_cost(prog) <= want["cost"], (C.program_cost(prog), want)
+    assert G.combined_cost(prog) <= want["combined"], (G.combined_cost(prog), want)
