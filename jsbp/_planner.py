@@ -571,11 +571,9 @@ def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):
     # the optimum); 72 % of the W rows of the DPxTP GPT step's ``by_axis`` problems
     asked = Counter([t for per in readers for t in per] + list(val.shared))
     edge = {(sigma, tau): c for tau in asked for sigma in sig if (c := prob.edge(val, sigma, tau))}
-    conv = {}  # (σ, τ) -> W's column, for the costly pairs asked more than once or fixed
-    shared_pairs = [pair for pair in edge if asked[pair[1]] > 1 or pair[1] in val.shared]
-    first = new_vars([edge[pair] for pair in shared_pairs])
-    for i, pair in enumerate(shared_pairs):
-        conv[pair] = first + i
+    paid_once = [pair for pair in edge if asked[pair[1]] > 1 or pair[1] in val.shared]
+    first = new_vars([edge[pair] for pair in paid_once])
+    conv = {pair: first + i for i, pair in enumerate(paid_once)}  # (σ, τ) -> W's column
     for tau in val.shared:  # a fixed target is converted to whatever the producer gives
         for sigma in sig:
             if (sigma, tau) in conv:

@@ -85,12 +85,12 @@ def plan(placement, jaxpr, consts, in_layouts, out_nd, strict, planner):
         r = next((r for r in kept if id(r) in planned), None)
         if r is not None:
             used[e] = r
-    stands = Counter(id(r) for r in used.values())
+    stands = Counter(id(r) for r in used.values())  # id(equation) -> removed copies taking its signature
     weights = {id(x): 1 + stands[id(e)] for x in r_jaxpr.eqns if (e := orig_of.get(id(x))) is not None}
     cache: dict = {}
     plans = planner(placement, r_jaxpr, r_consts, in_layouts, r_out_nd, strict, cache, all_plans=True,
                     weights=weights)
-    small = plans[0] if len(plans) == 1 else _best_for_whole(plans, orig_of, used)
+    small = plans[0] if len(plans) == 1 else _best_for_whole(plans, orig_of, stands)
     decisions = {}
     for st in small.steps:
         e = orig_of.get(id(st.eqn))
@@ -111,23 +111,23 @@ def plan(placement, jaxpr, consts, in_layouts, out_nd, strict, planner):
     return follow.program(jaxpr, consts, in_layouts, out_nd)
 
 
-def _best_for_whole(plans, orig_of, used):
+def _best_for_whole(plans, orig_of, stands):
     """The plan of the reduced program (``plans[0]``: the search's) best for the whole one, as
     ``_planner.search`` ranks plans, but with each step's conversions counted once more for
     every removed equation that will take its signature: no costlier than the first plan by
     ``program_cost``, then the cheapest once combined collectives pay their latency once
     (``_planner.combined_cost``). A plan that saves bytes per layer but splits a combined
-    collective pays that latency once per layer: on four copies it may win, on 24 not."""
+    collective pays that latency once per layer: on four copies it may win, on 24 not.
+    ``stands``: id(equation) -> how many removed equations take its signature."""
     from ._boxing import COLLECTIVE_LATENCY_BYTES
     from ._compiler import program_cost
     from ._planner import combined_cost
 
-    weight = Counter(id(r) for r in used.values())
     ranked = []
     for n, prog in enumerate(plans):
         combined, cost = combined_cost(prog), program_cost(prog)  # (combined_cost groups them)
         for st in prog.steps:
-            w = weight.get(id(orig_of.get(id(st.eqn))))
+            w = stands.get(id(orig_of.get(id(st.eqn))))
             if not w:
                 continue
             for bx in st.boxings:
