@@ -80,6 +80,13 @@ ILP_NODE_LIMIT = 200
 never depends on how busy the machine is. The best solution found within it is a proposal like
 any other (``solve`` keeps the cheapest)."""
 
+MILP_MIN_GAIN = COLLECTIVE_LATENCY_BYTES
+"""``solve_ilp`` goes on to branch and bound (``milp``) after a fractional relaxation only where
+the relaxation leaves room for a plan cheaper than the best known by at least this much (one
+collective's fixed cost). On the benchmark's 43 programs ``milp`` ran twice and improved
+neither plan: the zoo's MoE step under dp=8 spent 3.8 s proving its start optimal, after a
+relaxation 0.28 MB-eq below it."""
+
 ILP_JOINT_MAX = 1024
 """``solve_ilp`` models a value with one reader by the joint (producer layout, reader layout)
 choice when there are at most this many pairs."""
@@ -352,7 +359,8 @@ def _layout_of(prob, val, choice):
 # -------------------------------------------------------------------------------------------
 
 
-def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = False) -> list[int] | None:
+def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = False,
+              incumbent: float | None = None) -> list[int] | None:
     """The optimal choice per node (``scipy.optimize.milp`` with HiGHS), or None if the solver
     found no solution in time or scipy is not installed. Formulation (one row per item):
 
@@ -368,9 +376,12 @@ def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = Fals
     relaxation, solved at or near the root (loop bodies of 51 equations: 9 s -> 0.7 s; the
     1-block TP GPT step 1.6 -> 1.1 s).
 
-    ``quick`` (``by_axis``'s many sub-problems): the relaxation alone, without HiGHS's presolve
-    (up to twice as fast on them); None where it is fractional (``milp`` spent 3-4 s at the root
-    of the MoE step's sub-problems, for a plan 14 % cheaper than the rest of the solver's).
+    ``quick`` (``by_axis``'s many sub-problems): the relaxation alone; None where it is fractional
+    (``milp`` spent 3-4 s at the root of the MoE step's sub-problems, for a plan 14 % cheaper
+    than the rest of the solver's). ``incumbent``: the objective (``hubs=False``) of the best
+    choice known; None, too, where the relaxation bounds every plan within ``MILP_MIN_GAIN`` of
+    it. HiGHS runs without its presolve (on these problems up to twice as fast without: the
+    LSTM step's loop bodies under dp2 x tp4, 2.0 -> 1.2 s over 13 solves).
     """
     try:  # scipy is optional (``pip install jsbp[planner]``): without it, descent and reduction
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -394,10 +405,12 @@ def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = Fals
     r = len(nodes)
     nvar = nx
     extra_cost, extra_lb, extra_ub = [], [], []
+    offset = 0.0  # what every choice pays (conversions of fixed values to fixed targets)
     for val in prob.values.values():
         # the layouts the value may be in: σ -> the producer's candidate columns giving it
         if val.producer is None:
             srcs = {val.nd: None}
+            offset += sum(prob.edge(val, val.nd, t) for t in val.own)
         else:
             u, j = val.producer
             srcs = {}
@@ -431,7 +444,8 @@ def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = Fals
             if cmax == 0.0:
                 continue
             if val.producer is None and all(u is None for u in uses):
-                continue  # a fixed conversion of a fixed value: a constant
+                offset += cmax  # a fixed conversion of a fixed value: a constant
+                continue
             t, z = nvar, nvar + 1
             nvar += 2
             forced = any(u is None for u in uses)
@@ -498,8 +512,8 @@ def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = Fals
     ub = np.concatenate(ub + [np.asarray(extra_ub)])
     integ = np.concatenate(integ + [np.zeros(n_extra)])
     a = coo_matrix((data, (rows, cols)), shape=(r, nvar)).tocsr()
-    x = _integral_relaxation(c, a, np.asarray(lo), np.asarray(hi), lb, ub, integ, time_limit, not quick)
-    if x is None and quick:
+    x, bound = _integral_relaxation(c, a, np.asarray(lo), np.asarray(hi), lb, ub, integ, time_limit)
+    if x is None and (quick or (incumbent is not None and bound + offset > incumbent - MILP_MIN_GAIN)):
         return None
     if x is None:
         res = milp(c, constraints=LinearConstraint(a, lo, hi), integrality=integ, bounds=Bounds(lb, ub),
@@ -512,13 +526,15 @@ def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = Fals
     return [int(np.argmax(x[base[u]: base[u + 1]])) for u in range(len(nodes))]
 
 
-def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit, presolve=True):
-    """The solution of ``solve_ilp``'s linear relaxation when every integer variable comes out
-    0 or 1 (then it is optimal for the mixed-integer program as well), else None. With the joint
+def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit):
+    """(solution, value) of ``solve_ilp``'s linear relaxation: the solution when every integer
+    variable comes out 0 or 1 (then it is optimal for the mixed-integer program as well), else
+    None; the value, a lower bound on the program's (-inf if HiGHS found none). With the joint
     rows the relaxation is usually integral already, and HiGHS's simplex alone takes less than
     half of what ``milp`` spends around the same LP (presolve, cuts, heuristics): the 24-block TP
     GPT step's problem of roles, 41 121 variables, 0.39 s against 0.92 s. A fractional
-    relaxation is solved again inside ``milp`` (not seen on the benchmark's programs)."""
+    relaxation may be solved again inside ``milp`` (twice on the benchmark's 43 programs: the
+    zoo's MoE step under dp=8 and ZeRO-3)."""
     from scipy.optimize import linprog
     from scipy.sparse import vstack
 
@@ -527,11 +543,11 @@ def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit, presolve=True)
     a_ub = vstack([a[up], -a[down]]).tocsr() if up.any() or down.any() else None
     b_ub = np.concatenate([hi[up], -lo[down]]) if a_ub is not None else None
     res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a[eq] if eq.any() else None, b_eq=lo[eq] if eq.any() else None,
-                  bounds=np.stack([lb, ub], axis=1), method="highs", options={"time_limit": time_limit, "presolve": presolve})
+                  bounds=np.stack([lb, ub], axis=1), method="highs", options={"time_limit": time_limit, "presolve": False})
     if res.status != 0 or res.x is None:
-        return None
+        return None, -np.inf
     xi = res.x[integ > 0]
-    return res.x if np.all(np.minimum(xi, 1.0 - xi) <= 1e-7) else None
+    return (res.x if np.all(np.minimum(xi, 1.0 - xi) <= 1e-7) else None), float(res.fun)
 
 
 def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):
@@ -1196,7 +1212,7 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
     best_obj = objective(prob, best)
     reduce = lambda: _Pairwise(prob).solve(start)  # noqa: E731
     if prob.nodes and sum(len(n.cands) for n in prob.nodes) <= ILP_MAX_VARS:
-        tries = [reduce, lambda: solve_ilp(prob)]
+        tries = [reduce, lambda: solve_ilp(prob, incumbent=objective(prob, best, hubs=False))]
     elif prob.nodes and len(prob.hierarchy) >= 2:  # too large for the exact solver: exact by axis
         begin = best  # (from the best so far)
         tries = [lambda: by_axis(prob, begin), lambda: reduce() if best == begin else None]
