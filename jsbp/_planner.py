@@ -83,9 +83,10 @@ any other (``solve`` keeps the cheapest)."""
 MILP_MIN_GAIN = COLLECTIVE_LATENCY_BYTES
 """``solve_ilp`` goes on to branch and bound (``milp``) after a fractional relaxation only where
 the relaxation leaves room for a plan cheaper than the best known by at least this much (one
-collective's fixed cost). On the benchmark's 43 programs ``milp`` ran twice and improved
-neither plan: the zoo's MoE step under dp=8 spent 3.8 s proving its start optimal, after a
-relaxation 0.28 MB-eq below it."""
+collective's fixed cost). On the benchmark's 43 programs ``milp`` had run twice and improved
+neither plan (the zoo's MoE step under dp=8 spent 3.8 s proving its start optimal, after a
+relaxation 0.28 MB-eq below it; under ZeRO-3 0.6 s for an answer dearer than its start); with
+this rule it runs on none of them, and their plans are the same."""
 
 ILP_JOINT_MAX = 1024
 """``solve_ilp`` models a value with one reader by the joint (producer layout, reader layout)
@@ -533,8 +534,7 @@ def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit):
     rows the relaxation is usually integral already, and HiGHS's simplex alone takes less than
     half of what ``milp`` spends around the same LP (presolve, cuts, heuristics): the 24-block TP
     GPT step's problem of roles, 41 121 variables, 0.39 s against 0.92 s. A fractional
-    relaxation may be solved again inside ``milp`` (twice on the benchmark's 43 programs: the
-    zoo's MoE step under dp=8 and ZeRO-3)."""
+    relaxation may be solved again inside ``milp`` (``MILP_MIN_GAIN``)."""
     from scipy.optimize import linprog
     from scipy.sparse import vstack
 
