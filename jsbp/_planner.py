@@ -1135,7 +1135,7 @@ def solve(prob: Problem, start: list[int]) -> list[int]:
     best, best_obj = start, objective(prob, start)
     proposals = []
     # only where the exact solver cannot take the whole problem
-    role = roles(prob) if sum(len(n.cands) for n in prob.nodes) > ILP_MAX_VARS else ()
+    role = roles(prob) if not _exact_fits(prob) else ()
     if role and len(set(role)) <= QUOTIENT_MAX_FRACTION * len(prob.nodes):
         q, of, rep = quotient(prob, role)
         got = _solve_direct(q, [start[u] for u in rep])
@@ -1200,6 +1200,11 @@ DESCEND_MAX_NODES = 4000
 (on deep models it found the better plans, and descent costs a second a pass there)."""
 
 
+def _exact_fits(prob: Problem) -> bool:
+    """Whether the exact solver takes the whole problem (at most ``ILP_MAX_VARS`` candidates)."""
+    return sum(len(n.cands) for n in prob.nodes) <= ILP_MAX_VARS
+
+
 def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
     """Exact (``solve_ilp``) when the problem is small: its answer is final (the descent and
     graph reduction that used to follow it never beat it on the benchmark's programs, loop
@@ -1210,7 +1215,7 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
     ``by_axis``: skipping it there left all 43 plans the same, the 1-block DPxTP GPT step planned
     ~1 s sooner); descent (``descend``) from the start and polishing each answer up to
     ``DESCEND_MAX_NODES``; the start when nothing beats it."""
-    small = prob.nodes and sum(len(n.cands) for n in prob.nodes) <= ILP_MAX_VARS
+    small = prob.nodes and _exact_fits(prob)
     if small and (got := solve_ilp(prob, incumbent=objective(prob, start, hubs=False))) is not None:
         return got if objective(prob, got) < objective(prob, start) - 1e-6 else start
     polish = len(prob.nodes) <= DESCEND_MAX_NODES
