@@ -1190,11 +1190,12 @@ def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[
             continue
         settled.add(axis)
         keep = [[s for s, h in enumerate(hs[axis]) if h == hs[axis][c]] for hs, c in zip(held, choice)]
-        if sum(map(len, keep)) > ILP_MAX_VARS:
-            continue
         nodes = [dataclasses.replace(n, cands=[n.cands[s] for s in ks], cost=n.cost[ks], kind=(n.kind, tuple(ks)))
                  for n, ks in zip(prob.nodes, keep)]  # (equal kinds: equal candidate lists, as in ``build``)
-        got = solve_ilp(Problem(prob.hierarchy, nodes, prob.values, prob._cost_cache), quick=True)
+        sub = Problem(prob.hierarchy, nodes, prob.values, prob._cost_cache)
+        if not _exact_fits(sub):
+            continue
+        got = solve_ilp(sub, quick=True)
         if got is None:
             continue
         new = [ks[g] for ks, g in zip(keep, got)]
