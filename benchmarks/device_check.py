@@ -1,7 +1,7 @@
 """On a machine with an accelerator (a lent GPU): does jsbp's one-device path match plain JAX there,
 and what does it cost?
 
-    python benchmarks/device_check.py [--steps 40] [--json FILE]
+    python benchmarks/device_check.py [--steps 40] [--sizes small,medium] [--precision highest] [--json FILE]
 
 For each GPT size (``examples/train_gpt.py``'s model, nanoGPT's adamw recipe) it trains the same
 steps twice from the same parameters and batches: ``jsbp.flax.make_train_step(loss_fn, None)``
@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="timed steps per variant")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated, of: " + ", ".join(SIZES))
     ap.add_argument("--precision", default="highest", choices=("highest", "default"),
                     help="float32 matmul precision: highest (the check is exact to rounding) or the "
                     "platform's default (TF32 on recent NVIDIA GPUs: the timings users see)")
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
           f"matmul precision {args.precision}", flush=True)
     corpus = tg.Corpus()
     results, bad = [], []
-    for name, fields in SIZES.items():
+    for name in args.sizes.split(","):
+        fields = SIZES[name]
         cfg = tg.GPTConfig(vocab=corpus.vocab, **fields)
         data = corpus.batches(0, BATCH[name], cfg.seq)
         batches = [next(data) for _ in range(6)]

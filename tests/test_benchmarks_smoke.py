@@ -100,3 +100,20 @@ def test_auto_benchmark_one_shape_prints_its_table():
     assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
     for row in ("| dp8 |", "| tp8 |", "| dp2_tp4 |", "| zero1 |", "| zero2 |", "| zero3 |", "| **auto**"):
         assert row in out, row
+
+
+def test_device_check_runs_and_compares_with_jax_jit():
+    """benchmarks/device_check.py (the one-device path against plain jax.jit, for a lent GPU) runs
+    on the CPU: both planners' losses and parameters agree with jax.jit (it exits non-zero
+    otherwise) and every variant gets a row."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--sizes", "small", "--steps", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    out = res.stdout
+    assert res.returncode == 0, f"device check failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
+    for label in ("jax.jit", "jsbp search", "jsbp global"):
+        assert any(line.startswith(f"small: {label} ") and "ms/step" in line for line in out.splitlines()), label
+    assert "all variants match jax.jit" in out
