@@ -371,6 +371,26 @@ def test_repeated_layers_are_solved_once(monkeypatch):
     assert by_roles < 0.75 * direct and by_roles < 0.75 * search, (by_roles, direct, search)
 
 
+@pytest.mark.parametrize("strategy", ["TP", "DPxTP"])
+def test_descent_in_the_problem_of_roles_never_costs_more(strategy, monkeypatch):
+    """In the problem of roles a role reads, at one operand position, every value any of its
+    members reads there (``quotient``: the first block's input is the embedding's output, the
+    others' the previous block's), while its ``operands`` name the most common one. ``descend``
+    costs what the values' ``uses`` say, as ``objective`` does: read from the operands it raised
+    the objective of the 2-block DPxTP GPT step's problem of roles (112.6 -> 114.3 MB-eq) while
+    believing it lowered it."""
+    placement, jaxpr, consts, lays, out_nd = _benchmark_gpt(monkeypatch, strategy, 2)
+    prog, inf = C._search_pass(placement, jaxpr, consts, lays, out_nd)  # the global planner's start
+    prob = G.build(inf, prog, jaxpr, out_nd)
+    q, of, rep = G.quotient(prob, G.roles(prob))
+    # the case in point: some role reads a value at a position its operands do not name
+    assert any(q.nodes[f].operands[i] != k for k, val in q.values.items() for f, i in val.uses)
+    start = [G._choice_of(prob, prog)[u] for u in rep]
+    got = G.descend(q, start)
+    assert G.objective(q, got, hubs=False) <= G.objective(q, start, hubs=False) + 1e-6
+    assert got != start  # (it has something to do here)
+
+
 def _zoo_step(name, layout):
     """The zoo model's compiled functional train step (``tests/models``), its state and batch."""
     from flax import nnx
