@@ -1645,7 +1645,7 @@ def _tie_rank(prog: Program) -> tuple[float, int]:
     fewer slices by reducing bias gradients where their reshape reads them rather than where the
     update does, which splits the step's gradient all-reduces into groups that a read closes
     early (the zoo's decoder LM under dp=8: 10 all-reduces instead of 1, 6.3 against 5.2 ms a step;
-    `docs/benchmarks_compiler.md`)."""
+    ``docs/benchmarks_models.md``, session 22)."""
     return _planner.combined_cost(_copy_program(prog)), _local_slices(prog)
 
 
