@@ -140,8 +140,16 @@ def test_zero3_gradients_reduce_scatter_combined():
     before the reshapes that give it the parameter's shape (the ViT's 26 reduce-scatters ran one
     by one before ``reshape`` passed operands on like ``transpose``). Values: the zoo's
     ``test_model_matches_one_device[vit-zero3]``."""
-    mod = load("vit")
-    strategy = make_strategy("zero3", mod.RULES)
+    counts, n_grads, explained = _step_collectives("vit", "zero3")
+    assert n_grads >= 20 and counts["reduce-scatter"] <= 2, (n_grads, counts)
+    assert counts == explained()
+
+
+def _step_collectives(name, layout):
+    """The compiled collectives of the zoo model's train step under ``layout``, its number of
+    parameters (gradients), and a function giving ``jsbp.explain``'s count of the same step."""
+    mod = load(name)
+    strategy = make_strategy(layout, mod.RULES)
     model, optimizer = jflax.shard(_init(mod), strategy)
     step = jflax.make_train_step(mod.loss_fn, strategy)
     graphdef, state = nnx.split((model, optimizer))
@@ -149,8 +157,7 @@ def test_zero3_gradients_reduce_scatter_combined():
     fn = step.pure(graphdef, state, batch)
     counts = jsbp.debug.count_collectives(fn, state, batch)
     n_grads = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
-    assert n_grads >= 20 and counts["reduce-scatter"] <= 2, (n_grads, counts)
-    assert counts == jsbp.explain(fn, state, batch).collectives()
+    return counts, n_grads, lambda: jsbp.explain(fn, state, batch).collectives()
 
 
 @pytest.mark.parametrize("layout", ["dp8", "zero3"])
@@ -161,21 +168,14 @@ def test_decoder_lm_gradients_combined_and_values_match(layout):
     the gradient groups early, 10 all-reduces under dp=8 instead of 1 (ZeRO-3: 10 reduce-scatters
     and 4 all-reduces instead of 1 and 1). The search now breaks such ties by the cost as the
     program runs (``_compiler._tie_rank``). Losses and RNG counters match one device."""
-    mod = load("decoder_lm")
-    strategy = make_strategy(layout, mod.RULES)
-    model, optimizer = jflax.shard(_init(mod), strategy)
-    step = jflax.make_train_step(mod.loss_fn, strategy)
-    graphdef, state = nnx.split((model, optimizer))
-    batch = step.put_batch(mod.batch(0))
-    fn = step.pure(graphdef, state, batch)
-    counts = jsbp.debug.count_collectives(fn, state, batch)
-    n_grads = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+    counts, n_grads, _ = _step_collectives("decoder_lm", layout)
     assert n_grads >= 20, n_grads
     if layout == "dp8":
         assert counts["all-reduce"] == 1 and sum(counts.values()) == 1, counts
     else:
         assert counts["reduce-scatter"] <= 1 and counts["all-reduce"] <= 1, counts
+    mod = load("decoder_lm")
     ref, ref_counts = reference("decoder_lm")
-    got, got_counts = train(mod, strategy)
+    got, got_counts = train(mod, make_strategy(layout, mod.RULES))
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref)]
     assert max(rel) <= RTOL and got_counts == ref_counts, (got, ref, got_counts, ref_counts)
