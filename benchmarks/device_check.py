@@ -108,14 +108,13 @@ def main(argv=None) -> int:
                 bad.append(f"{name} {label} losses {d:.2e}")
         times, states = interleaved_medians([runner(m[0]) for m in made], [m[1] for m in made],
                                             [batches[5]] * 3, args.steps, warmup=3)
-        held_out = batches[4]
-        ref_model = states[0][0]
-        ref_params = jax.tree.leaves(nnx.state(ref_model, nnx.Param))
-        ref_final = float(jax.jit(tg.loss_fn)(ref_model, held_out))
+        loss_of = jax.jit(tg.loss_fn)
+        plains = [model if label == "jax.jit" else jflax.gather(model) for label, (model, _) in zip(names, states)]
+        ref_params = jax.tree.leaves(nnx.state(plains[0], nnx.Param))
+        ref_final = float(loss_of(plains[0], batches[4]))  # a batch of the first five
         row = {"size": name, "config": fields, "batch": BATCH[name]}
-        for label, (model, _), t in zip(names, states, times):
-            plain = jflax.gather(model) if label != "jax.jit" else model
-            final = float(jax.jit(tg.loss_fn)(plain, held_out))
+        for label, plain, t in zip(names, plains, times):
+            final = float(loss_of(plain, batches[4]))
             d_loss = abs(final - ref_final) / abs(ref_final)
             # an adamw step moves an element by about lr whatever its gradient's size, so rounding
             # that flips a tiny gradient's sign shows as ~lr: the difference is reported in lr units

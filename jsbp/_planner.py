@@ -1247,9 +1247,8 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
     best = descend(prob, start) if polish and not axes else start
     best_obj = objective(prob, best)
     reduce = lambda: _Pairwise(prob).solve(start)  # noqa: E731
-    if axes:
-        begin = best
-        tries = [lambda: by_axis(prob, begin), lambda: reduce() if best == begin else None]
+    if axes:  # (``best`` is the start here, until a try beats it)
+        tries = [lambda: by_axis(prob, start), lambda: reduce() if best == start else None]
     else:
         tries = [reduce]
     for make in tries:
