@@ -160,18 +160,23 @@ def _step_collectives(name, layout):
     return counts, n_grads, lambda: jsbp.explain(fn, state, batch).collectives()
 
 
-@pytest.mark.parametrize("layout", ["dp8", "zero3"])
+@pytest.mark.parametrize("layout", ["dp8", "zero3", "dp2tp4"])
 def test_decoder_lm_gradients_combined_and_values_match(layout):
     """The decoder LM's data-parallel step reduces every gradient in one combined collective per
     kind. A lookahead pass reached the same ``program_cost`` by reducing the bias gradients where
     their reshape reads them, with fewer local slices, and the search took it: the reads closed
     the gradient groups early, 10 all-reduces under dp=8 instead of 1 (ZeRO-3: 10 reduce-scatters
     and 4 all-reduces instead of 1 and 1). The search now breaks such ties by the cost as the
-    program runs (``_compiler._tie_rank``). Losses and RNG counters match one device."""
+    program runs (``_compiler._tie_rank``). Under dp2 x tp4 the activation all-reduces read
+    between the gradients' used to close the gradient group at every read: 28 compiled
+    all-reduces, now 21 (a read runs only its own group, ``jsbp._combine``). Losses and RNG
+    counters match one device."""
     counts, n_grads, _ = _step_collectives("decoder_lm", layout)
     assert n_grads >= 20, n_grads
     if layout == "dp8":
         assert counts["all-reduce"] == 1 and sum(counts.values()) == 1, counts
+    elif layout == "dp2tp4":
+        assert counts["all-reduce"] <= 21 and sum(counts.values()) <= 22, counts
     else:
         assert counts["reduce-scatter"] <= 1 and counts["all-reduce"] <= 1, counts
     mod = load("decoder_lm")
