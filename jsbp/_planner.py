@@ -1160,14 +1160,18 @@ def solve(prob: Problem, start: list[int]) -> list[int]:
     return best
 
 
-AXIS_SWEEPS = 4
-"""Sweeps of ``by_axis`` over the placement's axes at most (on the GPT steps it settles in three)."""
+AXIS_SWEEPS = 1
+"""Sweeps of ``by_axis`` over the placement's axes at most. More sweeps go on until each axis is
+optimal given the others; on the benchmark's 43 programs the second sweep (on the GPT steps: the
+model axis solved again after the data axis changed) never found a cheaper plan, and it cost
+3.4 s of their 20.8 s of global planning (session 23). A sub-problem as large as the program is
+one HiGHS solve (0.1-0.6 s at 24 blocks)."""
 
 
 def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[int]:
     """Block coordinate descent over the placement's axes: in turn for each axis, the signature
     of every node *on that axis* is chosen exactly (``solve_ilp``), its signature on the other
-    axes held; until a sweep over the axes changes nothing. Each step is as large as the whole
+    axes held; for ``sweeps`` sweeps over the axes, or until one changes nothing. Each step is as large as the whole
     program, unlike ``descend``'s one node at a time, and each sub-problem has about the square
     root of the candidates of the whole (which the exact solver cannot take on a 2-d placement:
     a GPT block's step has 795 292 LP variables). A sub-problem with more than ``ILP_MAX_VARS``
@@ -1177,12 +1181,13 @@ def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[
     suite's hybrid step about half, and no program costlier.
 
     The axis with the most devices goes first (ties: the later axis, on a placement written
-    (data, model) the model axis). Any order ends where each axis is optimal given the others,
-    but not always at the same plan nor after as many solves: on (2, 4) the GPT steps reach the
-    same plans as with the first axis first in three solves instead of four (24 blocks: 1.84
-    instead of 2.3 s in all); of the other 42 benchmark programs one got cheaper (the test
-    suite's hybrid step, 8 -> 7 collectives) and one dearer (the zoo's CNN under dp2 x tp4, 8.54
-    -> 10.53 MB-eq; the search's 18.90)."""
+    (data, model) the model axis). Sweeping until nothing changes, any order ends where each
+    axis is optimal given the others, but not always at the same plan nor after as many solves:
+    on (2, 4) the GPT steps reached the same plans as with the first axis first in three solves
+    instead of four (24 blocks: 1.84 instead of 2.3 s in all); of the other 42 benchmark programs
+    one got cheaper (the test suite's hybrid step, 8 -> 7 collectives) and one dearer (the zoo's
+    CNN under dp2 x tp4, 8.54 -> 10.53 MB-eq; the search's 18.90). With one sweep
+    (``AXIS_SWEEPS``) a 2-d placement takes two solves, and the 43 plans cost the same."""
     ndim = len(prob.hierarchy)
     # per node, per axis: each candidate's signature on every other axis (what a step holds)
     held = []
@@ -1234,11 +1239,12 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
     graph reduction (``_Pairwise``) on a 1-d problem, where the exact solver has no answer and
     where ``by_axis`` improves nothing (on the benchmark's 2-d programs it never beat
     ``by_axis``: skipping it there left all 43 plans the same, the 1-block DPxTP GPT step planned
-    ~1 s sooner); descent (``descend``) from the start and polishing each answer up to
-    ``DESCEND_MAX_NODES``; the start when nothing beats it. ``by_axis`` starts from the start
+    ~1 s sooner); on a 1-d problem, descent (``descend``) from the start and polishing each
+    answer up to ``DESCEND_MAX_NODES``; the start when nothing beats it. ``by_axis`` starts from the start
     itself, not from a descent of it: on the benchmark's 43 programs and its 1-24-block timing
-    rows it ends at the same plans either way, one descent (~0.07 s at 24 blocks) sooner; its
-    answer is descended from in turn."""
+    rows it ends at the same plans either way, one descent (~0.07 s at 24 blocks) sooner; nor is
+    its answer descended from (on the 43 programs that never found a cheaper plan either: 1.6 s
+    of their 22.2 s of global planning, session 23)."""
     small = prob.nodes and _exact_fits(prob)
     if small and (got := solve_ilp(prob, incumbent=objective(prob, start, hubs=False))) is not None:
         return got if objective(prob, got) < objective(prob, start) - 1e-6 else start
@@ -1255,7 +1261,7 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
         got = make()
         if got is None:
             continue
-        for sol in (got, descend(prob, got)) if polish else (got,):  # (``descend`` does not see hubs: keep both)
+        for sol in (got, descend(prob, got)) if polish and not axes else (got,):  # (``descend`` does not see hubs: keep both)
             obj = objective(prob, sol)
             if obj < best_obj - 1e-6:
                 best, best_obj = sol, obj
