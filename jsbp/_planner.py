@@ -1171,12 +1171,12 @@ one HiGHS solve (0.1-0.6 s at 24 blocks)."""
 def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[int]:
     """Block coordinate descent over the placement's axes: in turn for each axis, the signature
     of every node *on that axis* is chosen exactly (``solve_ilp``), its signature on the other
-    axes held; for ``sweeps`` sweeps over the axes, or until one changes nothing. Each step is as large as the whole
-    program, unlike ``descend``'s one node at a time, and each sub-problem has about the square
-    root of the candidates of the whole (which the exact solver cannot take on a 2-d placement:
-    a GPT block's step has 795 292 LP variables). A sub-problem with more than ``ILP_MAX_VARS``
-    candidates, or whose linear relaxation is fractional (``solve_ilp``'s ``quick``), is
-    skipped. On the benchmark's 2-d programs (``docs/benchmarks_planner.md``, session 18) it made
+    axes held; for ``sweeps`` sweeps over the axes, or until one changes nothing. Each step is
+    as large as the whole program, unlike ``descend``'s one node at a time, and each sub-problem
+    has about the square root of the candidates of the whole (which the exact solver cannot
+    take on a 2-d placement: a GPT block's step has 795 292 LP variables). A sub-problem with
+    more than ``ILP_MAX_VARS`` candidates, or whose linear relaxation is fractional
+    (``solve_ilp``'s ``quick``), is skipped. On the benchmark's 2-d programs (``docs/benchmarks_planner.md``, session 18) it made
     the un-hinted DPxTP GPT step 21 % cheaper (29.48 -> 23.19 MB-eq), the CNN's and the test
     suite's hybrid step about half, and no program costlier.
 
@@ -1240,11 +1240,11 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
     where ``by_axis`` improves nothing (on the benchmark's 2-d programs it never beat
     ``by_axis``: skipping it there left all 43 plans the same, the 1-block DPxTP GPT step planned
     ~1 s sooner); on a 1-d problem, descent (``descend``) from the start and polishing each
-    answer up to ``DESCEND_MAX_NODES``; the start when nothing beats it. ``by_axis`` starts from the start
-    itself, not from a descent of it: on the benchmark's 43 programs and its 1-24-block timing
-    rows it ends at the same plans either way, one descent (~0.07 s at 24 blocks) sooner; nor is
-    its answer descended from (on the 43 programs that never found a cheaper plan either: 1.6 s
-    of their 22.2 s of global planning, session 23)."""
+    answer up to ``DESCEND_MAX_NODES``; the start when nothing beats it. ``by_axis`` starts from
+    the start itself, not from a descent of it: on the benchmark's 43 programs and its 1-24-block
+    timing rows it ends at the same plans either way, one descent (~0.07 s at 24 blocks) sooner;
+    nor is its answer descended from (on the 43 programs that never found a cheaper plan either:
+    1.6 s of their 22.2 s of global planning, session 23)."""
     small = prob.nodes and _exact_fits(prob)
     if small and (got := solve_ilp(prob, incumbent=objective(prob, start, hubs=False))) is not None:
         return got if objective(prob, got) < objective(prob, start) - 1e-6 else start
