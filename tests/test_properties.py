@@ -61,3 +61,73 @@ def test_any_layouts_match_one_device(case):
     assert all(compiled[k] <= plan[k] for k in plan), (plan, compiled)
     if min(dims) >= plc.size:  # on degenerate shapes XLA may delete collectives of trivial size
         assert plan == compiled
+
+
+# combined collectives: conversions interleaved with reads --------------------------------------
+
+_CONVERSIONS = {  # kind -> (the operand's SBP, the annotation's SBP, the collective)
+    "AR": ("P", "B", "all-reduce"),
+    "RS": ("P", "S(0)", "reduce-scatter"),
+    "AG": ("S(0)", "B", "all-gather"),
+}
+
+
+@st.composite
+def interleavings(draw):
+    plc = draw(st.sampled_from(PLACEMENTS[:1] + [jsbp.placement("cpu", list(range(8)))]))
+    ops = draw(st.lists(st.tuples(st.sampled_from(sorted(_CONVERSIONS)), st.booleans(), st.booleans()),
+                        min_size=2, max_size=7))
+    return plc, ops, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=int(__import__("os").environ.get("JSBP_HYPOTHESIS_EXAMPLES", "10")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(interleavings())
+def test_combined_collectives_run_each_group_at_its_first_read(case):
+    """Conversions (P -> B, P -> S, S -> B), each read at once or only returned, some transposed on
+    the way (a pass-through op, replayed on the combined result): the values are NumPy's, and the
+    compiled program runs one collective per group, where a group gathers the conversions of one
+    kind made since its last member was read — a read runs its own group and leaves the others
+    open (``jsbp._combine``)."""
+    plc, ops, seed = case
+    rng = np.random.default_rng(seed)
+    n = plc.size
+    args, refs = [], []
+    for kind, _, _ in ops:
+        src = _CONVERSIONS[kind][0]
+        if src == "P":
+            locs = [rng.standard_normal((2 * n, 4)).astype(np.float32) for _ in range(n)]
+            args.append(jsbp.from_local(locs, placement=plc, sbp="P"))
+            refs.append(np.sum(locs, axis=0))
+        else:
+            v = rng.standard_normal((2 * n, 4)).astype(np.float32)
+            args.append(jsbp.tensor(v, plc, src))
+            refs.append(v)
+
+    def f(*xs):
+        outs = []
+        for x, (kind, read, flip) in zip(xs, ops):
+            y = jsbp.to_global(x, sbp=_CONVERSIONS[kind][1])
+            y = y.T if flip else y
+            outs.append(jnp.tanh(y) if read else y)
+        return outs
+
+    want = []
+    for r, (_, read, flip) in zip(refs, ops):
+        r = r.T if flip else r
+        want.append(np.tanh(r) if read else r)
+    got = jsbp.jit(f)(*args)
+    for o, w in zip(got, want):
+        np.testing.assert_allclose(o.numpy(), w, rtol=1e-5, atol=1e-5)
+    # the groups, as the rule says: per kind, conversions since the last read of one of its members
+    expected = dict.fromkeys((c for _, _, c in _CONVERSIONS.values()), 0)
+    open_kinds = set()
+    for kind, read, _ in ops:
+        if kind not in open_kinds:
+            expected[_CONVERSIONS[kind][2]] += 1
+            open_kinds.add(kind)
+        if read:
+            open_kinds.discard(kind)
+    plan = jsbp.explain(f, *args).collectives()
+    compiled = jsbp.debug.count_collectives(jsbp.jit(f), *args)
+    assert compiled == plan and {k: plan[k] for k in expected} == expected, (ops, plan, expected)
