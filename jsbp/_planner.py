@@ -1176,9 +1176,10 @@ def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[
     has about the square root of the candidates of the whole (which the exact solver cannot
     take on a 2-d placement: a GPT block's step has 795 292 LP variables). A sub-problem with
     more than ``ILP_MAX_VARS`` candidates, or whose linear relaxation is fractional
-    (``solve_ilp``'s ``quick``), is skipped. On the benchmark's 2-d programs (``docs/benchmarks_planner.md``, session 18) it made
-    the un-hinted DPxTP GPT step 21 % cheaper (29.48 -> 23.19 MB-eq), the CNN's and the test
-    suite's hybrid step about half, and no program costlier.
+    (``solve_ilp``'s ``quick``), is skipped. On the benchmark's 2-d programs
+    (``docs/benchmarks_planner.md``, session 18) it made the un-hinted DPxTP GPT step 21 %
+    cheaper (29.48 -> 23.19 MB-eq), the CNN's and the test suite's hybrid step about half, and
+    no program costlier.
 
     The axis with the most devices goes first (ties: the later axis, on a placement written
     (data, model) the model axis). Sweeping until nothing changes, any order ends where each
@@ -1248,9 +1249,9 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
     small = prob.nodes and _exact_fits(prob)
     if small and (got := solve_ilp(prob, incumbent=objective(prob, start, hubs=False))) is not None:
         return got if objective(prob, got) < objective(prob, start) - 1e-6 else start
-    polish = len(prob.nodes) <= DESCEND_MAX_NODES
     axes = not small and prob.nodes and len(prob.hierarchy) >= 2  # too large for the exact solver: exact by axis
-    best = descend(prob, start) if polish and not axes else start
+    polish = len(prob.nodes) <= DESCEND_MAX_NODES and not axes
+    best = descend(prob, start) if polish else start
     best_obj = objective(prob, best)
     reduce = lambda: _Pairwise(prob).solve(start)  # noqa: E731
     if axes:  # (``best`` is the start here, until a try beats it)
@@ -1261,7 +1262,7 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
         got = make()
         if got is None:
             continue
-        for sol in (got, descend(prob, got)) if polish and not axes else (got,):  # (``descend`` does not see hubs: keep both)
+        for sol in (got, descend(prob, got)) if polish else (got,):  # (``descend`` does not see hubs: keep both)
             obj = objective(prob, sol)
             if obj < best_obj - 1e-6:
                 best, best_obj = sol, obj
