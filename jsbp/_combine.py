@@ -125,6 +125,8 @@ def combine_collectives(prog) -> None:
     # back to B): nothing reads them in between, so each kind is one group per bucket
     seen: set = set()  # an output boxed twice (a repeated output var) runs where it is
     for bx in prog.out_boxings:
+        if bx.reused:
+            continue  # (runs as the conversion it repeats does)
         key = _group_key(bx, prog.jaxpr.outvars[bx.operand])
         if key is not None and bx.operand not in seen:
             join(("out",) + key, bx)

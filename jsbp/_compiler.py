@@ -300,12 +300,16 @@ class _Inference:
         for eqn in jaxpr.eqns:
             steps.append(self.step(eqn, env))
         out_layouts, out_boxings = [], []
+        made = set()  # (value, layout) of the outputs' conversions: a repeated output converts once
         for i, v in enumerate(jaxpr.outvars):
             cur = self.read(env, v)
             if out_nd is not None and out_nd[i] is not None:
                 want = self.lay(out_nd[i], v.aval)
                 bx = self.box(i, cur, want, v.aval)
                 if bx is not None:
+                    if not isinstance(v, jcore.Literal):
+                        bx.reused = (self.key(v), want.nd_sbp) in made
+                        made.add((self.key(v), want.nd_sbp))
                     out_boxings.append(bx)
                 cur = want
             out_layouts.append(cur)
@@ -1053,6 +1057,8 @@ def scan_counts(params) -> tuple[int, int]:
 def _infer_scan(inf: _Inference, eqn, cur):
     p = eqn.params
     nc, nk = scan_counts(p)
+    if inf.fixed is not None and inf.depth == 1 and (plan := inf.fixed.get(("loop", id(eqn)))) is not None:
+        return _follow_loop(inf, eqn, cur, plan)
     closed = p["jaxpr"]
     consts_l = cur[:nc]
     xs_l = cur[nc + nk:]
@@ -1087,8 +1093,49 @@ def _infer_scan(inf: _Inference, eqn, cur):
     return Step(eqn, in_lays, list(carry) + ys_of(sub), boxings, sub=sub, kind="scan")
 
 
+def _follow_loop(inf: _Inference, eqn, cur, plan):
+    """A ``scan`` or ``while`` as the global planner decided it with its body inlined
+    (``_planner.LoopPlan``): the body's constants, the carry and the scanned inputs converted
+    before the loop to the layouts chosen for them, the body planned following the body's
+    decisions (with the candidates and inlined calls of the body's reference pass), its carry
+    given back and its scanned outputs made in the layouts chosen. A ``while``'s condition reads
+    its constants as they are and the carry as chosen."""
+    p = eqn.params
+    scan = eqn.primitive.name == "scan"
+    if scan:
+        first, (nc, nk), closed = 0, scan_counts(p), p["jaxpr"]
+    else:
+        first, nc, closed = p["cond_nconsts"], p["body_nconsts"], p["body_jaxpr"]
+        nk = len(eqn.invars) - first - nc
+    boxings, lays = [], list(cur[:first])
+    for i, (v, nd) in enumerate(zip(eqn.invars[first:], [*plan.consts, *plan.carry, *plan.xs]), first):
+        want = inf.lay(nd, v.aval)
+        boxings += inf.box_operand(i, cur[i], want, v)
+        lays.append(want)
+    ins = lays[first:]
+    x_slice = [inf.lay(_shift_split(l.nd_sbp, -1), bv.aval) for l, bv in zip(ins[nc + nk:], closed.jaxpr.invars[nc + nk:])]
+    body = _Inference(inf.placement, None, plan.body.cands_cache, strict=inf.strict, copies=plan.body.copies)
+    body.fixed, body.hubs = plan.fixed, plan.hubs
+    token = _IN_BODY.set(True)
+    try:
+        sub = body.program(closed.jaxpr, closed.consts, ins[: nc + nk] + x_slice, [*plan.carry, *plan.ys])
+    finally:
+        _IN_BODY.reset(token)
+    if len(body.followed) == len(plan.fixed):
+        inf.followed.add(("loop", id(eqn)))
+    carry = ins[nc: nc + nk]
+    if not scan:
+        cj = p["cond_jaxpr"]
+        cond = inf.program(cj.jaxpr, cj.consts, lays[:first] + carry, out_nd=[(B,) * inf.placement.ndim])
+        return Step(eqn, lays, carry, boxings, sub=(cond, sub), kind="while")
+    ys = [inf.lay(_shift_split(l.nd_sbp, +1), v.aval) for l, v in zip(sub.out_layouts[nk:], eqn.outvars[nk:])]
+    return Step(eqn, lays, carry + ys, boxings, sub=sub, kind="scan")
+
+
 def _infer_while(inf: _Inference, eqn, cur):
     p = eqn.params
+    if inf.fixed is not None and inf.depth == 1 and (plan := inf.fixed.get(("loop", id(eqn)))) is not None:
+        return _follow_loop(inf, eqn, cur, plan)
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
     cconsts, bconsts, init = cur[:cn], cur[cn: cn + bn], cur[cn + bn:]
@@ -1112,6 +1159,8 @@ def _infer_while(inf: _Inference, eqn, cur):
 
 def _infer_cond(inf: _Inference, eqn, cur):
     branches = eqn.params["branches"]
+    if inf.fixed is not None and inf.depth == 1 and (plan := inf.fixed.get(("cond", id(eqn)))) is not None:
+        return _follow_cond(inf, eqn, cur, plan)
     boxings = []
     idx_want = inf.lay_b(eqn.invars[0].aval)
     if (bx := inf.box(0, cur[0], idx_want, eqn.invars[0].aval)) is not None:
@@ -1123,6 +1172,29 @@ def _infer_cond(inf: _Inference, eqn, cur):
     if len(branches) > 1:
         subs = _cond_results_choice(inf, eqn, cur, idx_want, subs)
     return Step(eqn, [idx_want] + list(ops), list(subs[0].out_layouts), boxings, sub=subs, kind="cond")
+
+
+def _follow_cond(inf: _Inference, eqn, cur, plan):
+    """A ``cond`` as the global planner decided it with its branches inlined
+    (``_planner.CondPlan``): the operands converted before it to the layouts chosen for them,
+    each branch planned following its decisions (with the candidates and inlined calls of its
+    reference pass) and leaving its results in the layouts chosen."""
+    idx_want = inf.lay_b(eqn.invars[0].aval)
+    boxings = [] if (bx := inf.box(0, cur[0], idx_want, eqn.invars[0].aval)) is None else [bx]
+    lays = [idx_want]
+    for i, (v, nd) in enumerate(zip(eqn.invars[1:], plan.ops), 1):
+        want = inf.lay(nd, v.aval)
+        boxings += inf.box_operand(i, cur[i], want, v)
+        lays.append(want)
+    subs, followed = [], True
+    for closed, (fixed, hubs, ref) in zip(eqn.params["branches"], plan.branches):
+        branch = _Inference(inf.placement, None, ref.cands_cache, strict=inf.strict, copies=ref.copies)
+        branch.fixed, branch.hubs = fixed, hubs
+        subs.append(branch.program(closed.jaxpr, closed.consts, lays[1:], list(plan.results)))
+        followed = followed and len(branch.followed) == len(fixed)
+    if followed:
+        inf.followed.add(("cond", id(eqn)))
+    return Step(eqn, lays, list(subs[0].out_layouts), boxings, sub=subs, kind="cond")
 
 
 def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
@@ -1319,7 +1391,8 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
             if bx.group is not None:
                 outs[bx.operand] = groups.defer(bx, outs[bx.operand])
         outs = [groups.resolve(x) for x in outs]
-    return _apply_boxings(outs, boxings)
+    # (a repeated output converted to one layout twice: the second reuses the first)
+    return _apply_boxings(outs, boxings, [v if isinstance(v, jcore.Literal) else key(v) for v in prog.jaxpr.outvars], {})
 
 
 def _emit_prim(st: Step, ins):
@@ -1469,15 +1542,26 @@ def _dce(jaxpr):
         return jaxpr
 
 
-def program_cost(prog: Program) -> float:
+def program_cost(prog: Program, loops: bool = False) -> float:
     """Bytes per device plus a fixed latency per collective, over every boxing of ``prog`` (what
-    really moves: the planner's tie-breaking penalties on local moves are left out)."""
-    boxings = list(prog.out_boxings)
-    for _, st in iter_steps(prog):
-        boxings += st.boxings
+    really moves: the planner's tie-breaking penalties on local moves are left out). ``loops``:
+    a loop body's boxings count once per iteration (``boxings_of``), as they run; else once."""
+    return sum(times * _moves_cost(bx.moves) for bx, times in boxings_of(prog, loops) if not bx.reused)
+
+
+def boxings_of(prog: Program, loops: bool = False, times: int = 1):
+    """(boxing, how many times it runs) for every boxing of ``prog``, nested programs included:
+    once each, or (``loops``) a loop body's once per iteration (a ``scan``'s ``length``,
+    ``WHILE_TRIPS`` for a ``while``)."""
+    for bx in prog.out_boxings:
+        yield bx, times
+    for st in prog.steps:
+        for bx in st.boxings:
+            yield bx, times
+        trips = 1 if not loops else st.eqn.params["length"] if st.kind == "scan" else \
+            WHILE_TRIPS if st.kind == "while" else 1
         for sub in subprograms(st):
-            boxings += sub.out_boxings
-    return sum(_moves_cost(bx.moves) for bx in boxings if not bx.reused)
+            yield from boxings_of(sub, loops, times * trips)
 
 
 _COMPUTE_HEAVY = frozenset({"dot_general", "conv_general_dilated"})

@@ -32,6 +32,7 @@ wrong.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 from collections import Counter
@@ -116,6 +117,7 @@ class Node:
     outputs: list  # per output: value key or None (dropped)
     cost: np.ndarray  # per candidate: redundant compute (byte-equivalents)
     kind: object = 0  # equal for equations sharing one candidate list (same rule, parameters, types)
+    scope: int | None = None  # id of the loop equation whose body (or boundary) it belongs to
 
 
 @dataclasses.dataclass
@@ -139,6 +141,10 @@ class Problem:
     nodes: list
     values: dict
     _cost_cache: dict = dataclasses.field(default_factory=dict)
+    # node index -> its candidate in the starting plan, where the plan's steps do not tell
+    # (an inlined loop body's nodes, its boundary's: ``_inline_loop``)
+    preset: dict = dataclasses.field(default_factory=dict)
+    scopes: dict = dataclasses.field(default_factory=dict)  # id(loop / cond equation) -> ``_Scope``
 
     def table(self, v: Value) -> dict:
         """(src, dst) -> the unweighted ``edge`` cost, one table per (shape, itemsize, anchored)."""
@@ -214,6 +220,9 @@ def build(inf, prog, jaxpr, out_nd, weights=None) -> Problem:
     hier = inf.placement.hierarchy
     nodes: list[Node] = []
     values: dict = {}
+    preset: dict = {}
+    scopes: dict = {}
+    inline = inline_bodies()
     work: dict = {}  # id(candidates) -> (candidates, ``_work``): equal equations share their list
 
     def value(v, nd=None):
@@ -241,6 +250,9 @@ def build(inf, prog, jaxpr, out_nd, weights=None) -> Problem:
         for st in p.steps:
             if st.kind == "call":
                 walk(st.sub)
+            elif inline and st.kind in _INLINE and \
+                    _INLINE[st.kind](inf, st, nodes, values, value, fixed_value, preset, scopes):
+                pass  # its body's equations and its boundary are nodes of this problem
             elif id(st.eqn) in traced or id(st.eqn) in owned:
                 # an equation with candidate signatures: a primitive (its rule's), a loop (its
                 # carry layouts, each costing ``trips`` times its body's plan) or a cond (its
@@ -302,13 +314,281 @@ def build(inf, prog, jaxpr, out_nd, weights=None) -> Problem:
         for n, m in zip(nodes, mult):
             n.cost *= m
         for val in values.values():
-            val.weight = mult[val.producer[0]] if val.producer is not None else \
+            val.weight *= mult[val.producer[0]] if val.producer is not None else \
                 max((mult[f] for f, _ in val.uses), default=1.0)
-    return Problem(hier, nodes, values)
+    return Problem(hier, nodes, values, preset=preset, scopes=scopes)
 
 
 def _b(hier):
     return (_BCAST,) * len(hier)
+
+
+# -------------------------------------------------------------------------------------------
+# bodies inlined: a loop's or cond's body equations as nodes of the enclosing problem
+# -------------------------------------------------------------------------------------------
+
+
+def inline_bodies() -> bool:
+    """Whether ``build`` makes the equations of a top-scope ``scan``'s, ``while``'s or ``cond``'s
+    bodies nodes of the enclosing problem (``_inline_loop``, ``_inline_cond``;
+    ``JSBP_INLINE_BODIES=0``: the step is one node, its candidates the carry or result layouts
+    ``_compiler`` proposes, each costing its bodies' own plans, as before session 24)."""
+    return os.environ.get("JSBP_INLINE_BODIES", "1").strip() != "0"
+
+
+@dataclasses.dataclass
+class _Mark:
+    """The stand-in equation of a boundary node of an inlined loop (``_inline_loop``)."""
+
+    eqn: object
+    role: str  # a loop's "const", "carry", "xs", "ys"; a cond's "ops", "results"
+    index: int
+
+
+@dataclasses.dataclass
+class _Scope:
+    """An inlined loop or ``cond``: per body (a loop's one, a ``cond``'s branches) the reference
+    pass that planned it (whose candidates and inlined calls' copies the pass following the
+    decisions reuses) and the indices of its equations' nodes; per boundary role the boundary
+    nodes (a loop's "const", "carry", "xs", "ys"; a cond's "ops", "results")."""
+
+    kind: str  # "loop" or "cond"
+    bodies: list  # [(``_compiler._Inference``, node indices)]
+    roles: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class LoopPlan:
+    """The decisions for one inlined loop (``decisions``): the layouts its (body's) constants,
+    carry and scanned inputs enter the loop in, the layouts of its scanned outputs' slices, and
+    its body's decisions (a ``fixed`` and ``hubs`` map for the pass that plans the body, and the
+    body's reference pass)."""
+
+    consts: list
+    carry: list
+    xs: list
+    ys: list
+    fixed: dict
+    hubs: dict
+    body: object
+
+
+@dataclasses.dataclass
+class CondPlan:
+    """The decisions for one inlined ``cond``: the layouts its operands enter the branches in and
+    its results leave them in, and per branch its decisions as ``LoopPlan``'s ``fixed``, ``hubs``,
+    ``body``."""
+
+    ops: list
+    results: list
+    branches: list  # [(fixed, hubs, body)]
+
+
+def _layouts(shape, hier) -> list[tuple]:
+    """Every nd-sbp of a value of ``shape`` on ``hier`` that a loop or ``cond`` boundary may take:
+    per axis B, P (sum) or a split of a dim at least as long as the axis."""
+    per = [[_BCAST, _sbp.partial_sum] + [_sbp.Split(d) for d, n in enumerate(shape) if n >= size]
+           for size in hier]
+    return list(itertools.product(*per))
+
+
+def _simple(prog) -> bool:
+    """Whether ``prog`` has no loops or branches of its own (``_inline_loop`` and ``_inline_cond``
+    leave a step whose bodies have them as one node)."""
+    from ._compiler import iter_steps
+
+    return all(s.kind in ("prim", "call", "annotate") for _, s in iter_steps(prog))
+
+
+class _Inliner:
+    """Adds the bodies of a step ``st`` of the program ``build`` walks to its problem: each body
+    planned afresh (the search, given the step's layouts at the body's boundary) for its
+    candidates and starting choice, its problem's nodes and values merged in (keys wrapped as
+    (id(step equation), body index, key), compute and conversions counted ``times`` over), and
+    boundary nodes joining them to the enclosing program."""
+
+    def __init__(self, inf, st, nodes, values, value, fixed_value, preset, kind):
+        self.inf, self.st, self.eqn = inf, st, st.eqn
+        self.nodes, self.values, self.value, self.fixed_value, self.preset = nodes, values, value, fixed_value, preset
+        self.sid = id(st.eqn)
+        self.scope = _Scope(kind, [])
+        self.hier = inf.placement.hierarchy
+
+    def body(self, closed, in_layouts, out_nd, times, in_body):
+        """Plan and merge one body; a function from its atoms to their keys here."""
+        from ._compiler import _IN_BODY, _search_pass
+
+        token = _IN_BODY.set(in_body)
+        try:
+            bprog, binf = _search_pass(self.inf.placement, closed.jaxpr, closed.consts, in_layouts, out_nd,
+                                       strict=self.inf.strict)
+            q = build(binf, bprog, closed.jaxpr, None)
+        finally:
+            _IN_BODY.reset(token)
+        start = _choice_of(q, bprog)
+        b, off = len(self.scope.bodies), len(self.nodes)
+
+        def wrap(k):
+            return (self.sid, b, k)
+
+        for n in q.nodes:
+            self.nodes.append(dataclasses.replace(
+                n, operands=[None if k is None else wrap(k) for k in n.operands],
+                outputs=[None if k is None else wrap(k) for k in n.outputs], cost=n.cost * times, scope=self.sid))
+        for k, val in q.values.items():
+            self.values[wrap(k)] = dataclasses.replace(
+                val, producer=None if val.producer is None else (val.producer[0] + off, val.producer[1]),
+                uses=[(u + off, i) for u, i in val.uses], weight=val.weight * times, anchored=False, costs=None)
+        self.preset.update((off + u, c) for u, c in enumerate(start))
+        self.scope.bodies.append((binf, list(range(off, off + len(q.nodes)))))
+        return lambda v: None if isinstance(v, jcore.Literal) else wrap(binf.key(v))
+
+    def outer_in(self, i):
+        """Operand ``i``'s key (None: a literal, in every layout at no cost)."""
+        v = self.eqn.invars[i]
+        if isinstance(v, jcore.Literal):
+            return None
+        k, _ = self.value(v)
+        self.fixed_value(v, self.st.in_layouts[i].nd_sbp)
+        return k
+
+    def outer_out(self, j):
+        v = self.eqn.outvars[j]
+        return None if isinstance(v, jcore.DropVar) else self.value(v)[0]
+
+    def boundary(self, role, j, cands, ref, operands, outputs):
+        """A boundary node: candidates ``cands`` (``ref``, the step's own, first), reading
+        ``operands`` and making ``outputs`` (keys)."""
+        u = len(self.nodes)
+        cands = list(dict.fromkeys([ref, *cands]))
+        for i, k in enumerate(operands):
+            if k is not None:
+                self.values[k].uses.append((u, i))
+        for i, k in enumerate(outputs):
+            if k is not None:
+                val = self.values[k]
+                val.producer, val.nd = (u, i), None
+        self.nodes.append(Node(_Mark(self.eqn, role, j), cands, list(operands), list(outputs), np.zeros(len(cands)),
+                               kind=("boundary", role, tuple(cands)), scope=self.sid))
+        self.preset[u] = 0
+        self.scope.roles.setdefault(role, []).append(u)
+
+
+def _inline_loop(inf, st, nodes, values, value, fixed_value, preset, scopes) -> bool:
+    """Add loop step ``st``'s body (a ``scan``'s or a ``while``'s) to the problem being built
+    (``build``'s ``nodes`` / ``values``): its equations as nodes whose compute and whose values'
+    conversions count once per iteration (a scan's ``length``, ``WHILE_TRIPS``), and a boundary
+    node per constant (the layout it enters the loop in, converted once before the loop), per
+    carry (its layout ``τ``, which the init is converted to, the body reads, the body's
+    carry-out is converted back to every iteration and the loop returns), per scanned input (its
+    layout, the body's slice that one without the scan axis) and per scanned output. A
+    ``while``'s condition reads its constants as they are and the carry in the layouts chosen
+    (its few scalar equations are not in the problem). False (the loop stays one node) for a body
+    with loops or branches of its own."""
+    from ._compiler import WHILE_TRIPS, _shift_split, scan_counts
+
+    eqn = st.eqn
+    if eqn.primitive.name == "scan":
+        nc, nk = scan_counts(eqn.params)
+        first, trips, closed, body_prog = 0, float(eqn.params["length"]), eqn.params["jaxpr"], st.sub
+    else:  # a while: operands (condition constants, body constants, carry)
+        first, nc = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        nk = len(eqn.invars) - first - nc
+        trips, closed, body_prog = float(WHILE_TRIPS), eqn.params["body_jaxpr"], st.sub[1]
+    if not _simple(body_prog):
+        return False
+    bj = closed.jaxpr
+    add = _Inliner(inf, st, nodes, values, value, fixed_value, preset, "loop")
+    out_nd = [l.nd_sbp for l in st.out_layouts[:nk]] + [None] * (len(bj.outvars) - nk)
+    inner = add.body(closed, body_prog.in_layouts, out_nd, trips, True)
+    hier = add.hier
+    for i in range(nc):
+        ref = st.in_layouts[first + i].nd_sbp
+        add.boundary("const", i, [((t,), (t,)) for t in _layouts(bj.invars[i].aval.shape, hier)],
+                     ((ref,), (ref,)), [add.outer_in(first + i)], [inner(bj.invars[i])])
+    for j in range(nk):
+        sig = lambda t: ((t, t), (t, t))  # noqa: E731
+        add.boundary("carry", j, [sig(t) for t in _layouts(bj.invars[nc + j].aval.shape, hier)],
+                     sig(st.out_layouts[j].nd_sbp), [add.outer_in(first + nc + j), inner(bj.outvars[j])],
+                     [inner(bj.invars[nc + j]), add.outer_out(j)])
+    for i in range(first + nc + nk, len(eqn.invars)):  # (a scan's: ``first`` is 0)
+        ref = st.in_layouts[i].nd_sbp
+        cands = [((t,), (_shift_split(t, -1),)) for t in _layouts(eqn.invars[i].aval.shape, hier)
+                 if not any(x.is_split and x.dim == 0 for x in t)]
+        add.boundary("xs", i - nc - nk, cands, ((ref,), (_shift_split(ref, -1),)), [add.outer_in(i)],
+                     [inner(bj.invars[i])])
+    for j in range(nk, len(bj.outvars)):
+        ref = _shift_split(st.out_layouts[j].nd_sbp, -1)
+        cands = [((t,), (_shift_split(t, +1),)) for t in _layouts(bj.outvars[j].aval.shape, hier)]
+        add.boundary("ys", j - nk, cands, ((ref,), (_shift_split(ref, +1),)), [inner(bj.outvars[j])],
+                     [add.outer_out(j)])
+    scopes[add.sid] = add.scope
+    return True
+
+
+def _inline_cond(inf, st, nodes, values, value, fixed_value, preset, scopes) -> bool:
+    """Add ``cond`` step ``st``'s branches to the problem being built: each branch's equations as
+    nodes (counted once each, as ``program_cost`` counts a ``cond``: which branch runs is not
+    known), a boundary node per operand (the layout every branch reads it in, converted once
+    before the ``cond``) and per result (the layout every branch leaves it in). The index is
+    read replicated. False (the ``cond`` stays one node) for a branch with loops or branches of
+    its own."""
+    if not all(_simple(sub) for sub in st.sub):
+        return False
+    eqn = st.eqn
+    add = _Inliner(inf, st, nodes, values, value, fixed_value, preset, "cond")
+    out_nd = [l.nd_sbp for l in st.out_layouts]
+    branches = eqn.params["branches"]
+    inner = [add.body(closed, sub.in_layouts, out_nd, 1.0, False) for closed, sub in zip(branches, st.sub)]
+    hier, nb = add.hier, len(branches)
+    if (k := add.outer_in(0)) is not None:
+        values[k].own.append(_b(hier))
+    for i in range(1, len(eqn.invars)):
+        ref = st.in_layouts[i].nd_sbp
+        add.boundary("ops", i - 1, [((t,), (t,) * nb) for t in _layouts(eqn.invars[i].aval.shape, hier)],
+                     ((ref,), (ref,) * nb), [add.outer_in(i)],
+                     [f(closed.jaxpr.invars[i - 1]) for f, closed in zip(inner, branches)])
+    for j, v in enumerate(eqn.outvars):
+        ref = st.out_layouts[j].nd_sbp
+        add.boundary("results", j, [((t,) * nb, (t,)) for t in _layouts(v.aval.shape, hier)],
+                     ((ref,) * nb, (ref,)), [f(closed.jaxpr.outvars[j]) for f, closed in zip(inner, branches)],
+                     [add.outer_out(j)])
+    scopes[add.sid] = add.scope
+    return True
+
+
+_INLINE = {"scan": _inline_loop, "while": _inline_loop, "cond": _inline_cond}
+
+
+def decisions(prob: Problem, choice: list[int]) -> tuple[dict, dict]:
+    """The ``fixed`` and ``hubs`` maps of the pass that follows ``choice``: per top-scope node its
+    signature (by id(equation)), per inlined loop a ``LoopPlan`` (by ("loop", id(equation))), per
+    inlined ``cond`` a ``CondPlan`` (by ("cond", id(equation))); per value read in several layouts
+    the hub it is first converted to."""
+    fixed = {id(n.eqn): n.cands[c] for n, c in zip(prob.nodes, choice) if n.scope is None}
+    hubs: dict = {}
+    body_hubs: dict = {}
+    for k, val in prob.values.items():
+        h = conversions(prob, val, choice)[1]
+        if h is None:
+            continue
+        if isinstance(k, tuple) and len(k) == 3 and k[0] in prob.scopes:
+            body_hubs.setdefault(k[:2], {})[k[2]] = h
+        else:
+            hubs[k] = h
+    for sid, sc in prob.scopes.items():
+        def pick(role, side):
+            return [prob.nodes[u].cands[choice[u]][side] for u in sc.roles.get(role, ())]
+
+        bodies = [({id(prob.nodes[u].eqn): prob.nodes[u].cands[choice[u]] for u in us}, body_hubs.get((sid, b), {}), binf)
+                  for b, (binf, us) in enumerate(sc.bodies)]
+        if sc.kind == "loop":
+            (body_fixed, hub, binf), = bodies
+            fixed[("loop", sid)] = LoopPlan(*[[s[0] for s in pick(r, 0)] for r in ("const", "carry", "xs", "ys")],
+                                            body_fixed, hub, binf)
+        else:
+            fixed[("cond", sid)] = CondPlan([s[0] for s in pick("ops", 0)], [s[0] for s in pick("results", 1)], bodies)
+    return fixed, hubs
 
 
 # -------------------------------------------------------------------------------------------
@@ -1055,7 +1335,7 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cach
 
     args = (jaxpr, consts, in_layouts, out_nd)
     prog, inf = _search_pass(placement, *args, strict=strict, cache=cache)
-    plans = [(program_cost(prog), 0, prog)]  # the starting plan is kept only if cheaper
+    plans = [(program_cost(prog, loops=True), 0, prog)]  # the starting plan is kept only if cheaper
     for r in range(1, ROUNDS + 1):
         prob = build(inf, prog, jaxpr, out_nd, weights)
         start = _choice_of(prob, prog)
@@ -1063,15 +1343,14 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cach
             n.cost = n.cost + STICKY_BYTES
             n.cost[c] -= STICKY_BYTES
         choice = solve(prob, start)
-        hubs = {k: h for k, val in prob.values.items() if (h := conversions(prob, val, choice)[1]) is not None}
-        if choice == start and not hubs:
+        fixed, hubs = decisions(prob, choice)
+        if choice == start and not hubs and not any(isinstance(f, (LoopPlan, CondPlan)) for f in fixed.values()):
             break  # the search's plan is the best found
-        fixed = {id(n.eqn): n.cands[c] for n, c in zip(prob.nodes, choice)}
         nxt = _Inference(placement, None, inf.cands_cache, strict=strict, copies=inf.copies)
         nxt.fixed, nxt.hubs = fixed, hubs
         new = nxt.program(*args)
         new.hubs = hubs
-        plans.append((program_cost(new), -r, new))
+        plans.append((program_cost(new, loops=True), -r, new))
         if len(nxt.followed) == len(fixed):
             break  # every decision was followed: another round would solve the same problem
         inf, prog = nxt, new
@@ -1082,13 +1361,14 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cach
     ok = [p for p in plans if p[0] <= plans[0][0]]
     if len(ok) == 1:
         return ok[0][2]  # (``infer`` combines its collectives next, as ``combined_cost`` would)
-    return min(ok, key=lambda p: (combined_cost(p[2]), p[0], -p[1]))[2]
+    return min(ok, key=lambda p: (combined_cost(p[2], loops=True), p[0], -p[1]))[2]
 
 
-def combined_cost(prog) -> float:
+def combined_cost(prog, loops: bool = False) -> float:
     """``program_cost`` of ``prog`` as it will run: after ``_reduce_before_transposes`` and
     ``combine_collectives`` (which ``infer`` applies anyway; both idempotent), a combined
-    collective pays its latency once for all its members.
+    collective pays its latency once for all its members (``loops``: a loop body's boxings
+    once per iteration, ``_compiler.boxings_of``).
 
     ``program_cost`` (and the objective) charge every collective a latency, but ``_combine`` runs
     the gradients' reduce-scatters (ZeRO-2/3) and the parameters' all-gathers (ZeRO-3) as a few
@@ -1098,23 +1378,18 @@ def combined_cost(prog) -> float:
     25 instead of 22 under ZeRO-2, and ~1.7x the bytes. Discounting combinable conversions in the
     objective instead made the solver propose plans that ``program_cost`` then rejected whole
     (the DPxTP GPT step: 31 collectives instead of 29)."""
-    from ._compiler import _reduce_before_transposes, combine_collectives, iter_steps, subprograms
+    from ._compiler import _reduce_before_transposes, boxings_of, combine_collectives
 
     _reduce_before_transposes(prog)
     combine_collectives(prog)
-    boxings = list(prog.out_boxings)
-    for _, st in iter_steps(prog):
-        boxings += st.boxings
-        for sub in subprograms(st):
-            boxings += sub.out_boxings
     total, groups = 0.0, set()
-    for bx in boxings:
+    for bx, times in boxings_of(prog, loops):
         if bx.reused:
             continue
         for m in bx.moves:
-            total += m.bytes_per_device
+            total += times * m.bytes_per_device
             if m.collective and (bx.group is None or bx.group not in groups):
-                total += COLLECTIVE_LATENCY_BYTES
+                total += times * COLLECTIVE_LATENCY_BYTES
         if bx.group is not None:
             groups.add(bx.group)
     return total
@@ -1127,7 +1402,7 @@ def _choice_of(prob: Problem, prog) -> list[int]:
     sigs = {}
     for _, st in iter_steps(prog):
         sigs[id(st.eqn)] = (tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts))
-    return [n.cands.index(sigs[id(n.eqn)]) for n in prob.nodes]
+    return [prob.preset[u] if u in prob.preset else n.cands.index(sigs[id(n.eqn)]) for u, n in enumerate(prob.nodes)]
 
 
 ROUNDS = 2
