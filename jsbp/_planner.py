@@ -332,7 +332,8 @@ def inline_bodies() -> bool:
     """Whether ``build`` makes the equations of a top-scope ``scan``'s, ``while``'s or ``cond``'s
     bodies nodes of the enclosing problem (``_inline_loop``, ``_inline_cond``;
     ``JSBP_INLINE_BODIES=0``: the step is one node, its candidates the carry or result layouts
-    ``_compiler`` proposes, each costing its bodies' own plans, as before session 24)."""
+    ``_compiler`` proposes, each costing its bodies' own plans, as before session 24). Steps
+    nested in a body are inlined in turn."""
     return os.environ.get("JSBP_INLINE_BODIES", "1").strip() != "0"
 
 
@@ -353,8 +354,10 @@ class _Scope:
     nodes (a loop's "const", "carry", "xs", "ys"; a cond's "ops", "results")."""
 
     kind: str  # "loop" or "cond"
-    bodies: list  # [(``_compiler._Inference``, node indices)]
+    eqn: object  # the step's equation (its plan is keyed by its id in the pass that follows it)
+    bodies: list  # [(``_compiler._Inference``, indices of the nodes directly in that body)]
     roles: dict = dataclasses.field(default_factory=dict)
+    parent: tuple | None = None  # (scope id, body index) of the body it is nested in; None: top scope
 
 
 @dataclasses.dataclass
@@ -392,26 +395,23 @@ def _layouts(shape, hier) -> list[tuple]:
     return list(itertools.product(*per))
 
 
-def _simple(prog) -> bool:
-    """Whether ``prog`` has no loops or branches of its own (``_inline_loop`` and ``_inline_cond``
-    leave a step whose bodies have them as one node)."""
-    from ._compiler import iter_steps
-
-    return all(s.kind in ("prim", "call", "annotate") for _, s in iter_steps(prog))
+_SCOPE_IDS = itertools.count()
 
 
 class _Inliner:
     """Adds the bodies of a step ``st`` of the program ``build`` walks to its problem: each body
     planned afresh (the search, given the step's layouts at the body's boundary) for its
     candidates and starting choice, its problem's nodes and values merged in (keys wrapped as
-    (id(step equation), body index, key), compute and conversions counted ``times`` over), and
-    boundary nodes joining them to the enclosing program."""
+    (scope id, body index, key), compute and conversions counted ``times`` over), the steps
+    nested in it (which ``build`` of the body inlined) kept as scopes of their own, and boundary
+    nodes joining them to the enclosing program."""
 
     def __init__(self, inf, st, nodes, values, value, fixed_value, preset, kind):
         self.inf, self.st, self.eqn = inf, st, st.eqn
         self.nodes, self.values, self.value, self.fixed_value, self.preset = nodes, values, value, fixed_value, preset
-        self.sid = id(st.eqn)
-        self.scope = _Scope(kind, [])
+        self.sid = next(_SCOPE_IDS)  # (not id(equation): a nested step's equation may be met twice)
+        self.scope = _Scope(kind, st.eqn, [])
+        self.nested: dict = {}  # the scopes of steps nested in its bodies, re-indexed
         self.hier = inf.placement.hierarchy
 
     def body(self, closed, in_layouts, out_nd, times, in_body):
@@ -434,14 +434,25 @@ class _Inliner:
         for n in q.nodes:
             self.nodes.append(dataclasses.replace(
                 n, operands=[None if k is None else wrap(k) for k in n.operands],
-                outputs=[None if k is None else wrap(k) for k in n.outputs], cost=n.cost * times, scope=self.sid))
+                outputs=[None if k is None else wrap(k) for k in n.outputs], cost=n.cost * times,
+                scope=self.sid if n.scope is None else n.scope))
         for k, val in q.values.items():
             self.values[wrap(k)] = dataclasses.replace(
                 val, producer=None if val.producer is None else (val.producer[0] + off, val.producer[1]),
                 uses=[(u + off, i) for u, i in val.uses], weight=val.weight * times, anchored=False, costs=None)
         self.preset.update((off + u, c) for u, c in enumerate(start))
-        self.scope.bodies.append((binf, list(range(off, off + len(q.nodes)))))
+        self.scope.bodies.append((binf, [off + u for u, n in enumerate(q.nodes) if n.scope is None]))
+        for nid, sc in q.scopes.items():  # steps nested in this body (inlined by ``build`` in turn)
+            self.nested[nid] = dataclasses.replace(
+                sc, bodies=[(bi, [off + u for u in us]) for bi, us in sc.bodies],
+                roles={r: [off + u for u in us] for r, us in sc.roles.items()},
+                parent=(self.sid, b) if sc.parent is None else sc.parent)
         return lambda v: None if isinstance(v, jcore.Literal) else wrap(binf.key(v))
+
+    def done(self, scopes) -> bool:
+        scopes.update(self.nested)
+        scopes[self.sid] = self.scope
+        return True
 
     def outer_in(self, i):
         """Operand ``i``'s key (None: a literal, in every layout at no cost)."""
@@ -483,8 +494,8 @@ def _inline_loop(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
     carry-out is converted back to every iteration and the loop returns), per scanned input (its
     layout, the body's slice that one without the scan axis) and per scanned output. A
     ``while``'s condition reads its constants as they are and the carry in the layouts chosen
-    (its few scalar equations are not in the problem). False (the loop stays one node) for a body
-    with loops or branches of its own."""
+    (its few scalar equations are not in the problem). Steps nested in the body are inlined in
+    turn (``build`` of the body), their iterations multiplying. True: inlined."""
     from ._compiler import WHILE_TRIPS, _shift_split, scan_counts
 
     eqn = st.eqn
@@ -495,8 +506,6 @@ def _inline_loop(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
         first, nc = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         nk = len(eqn.invars) - first - nc
         trips, closed, body_prog = float(WHILE_TRIPS), eqn.params["body_jaxpr"], st.sub[1]
-    if not _simple(body_prog):
-        return False
     bj = closed.jaxpr
     add = _Inliner(inf, st, nodes, values, value, fixed_value, preset, "loop")
     out_nd = [l.nd_sbp for l in st.out_layouts[:nk]] + [None] * (len(bj.outvars) - nk)
@@ -522,8 +531,7 @@ def _inline_loop(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
         cands = [((t,), (_shift_split(t, +1),)) for t in _layouts(bj.outvars[j].aval.shape, hier)]
         add.boundary("ys", j - nk, cands, ((ref,), (_shift_split(ref, +1),)), [inner(bj.outvars[j])],
                      [add.outer_out(j)])
-    scopes[add.sid] = add.scope
-    return True
+    return add.done(scopes)
 
 
 def _inline_cond(inf, st, nodes, values, value, fixed_value, preset, scopes) -> bool:
@@ -531,10 +539,7 @@ def _inline_cond(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
     nodes (counted once each, as ``program_cost`` counts a ``cond``: which branch runs is not
     known), a boundary node per operand (the layout every branch reads it in, converted once
     before the ``cond``) and per result (the layout every branch leaves it in). The index is
-    read replicated. False (the ``cond`` stays one node) for a branch with loops or branches of
-    its own."""
-    if not all(_simple(sub) for sub in st.sub):
-        return False
+    read replicated. Steps nested in a branch are inlined in turn. True: inlined."""
     eqn = st.eqn
     add = _Inliner(inf, st, nodes, values, value, fixed_value, preset, "cond")
     out_nd = [l.nd_sbp for l in st.out_layouts]
@@ -553,8 +558,7 @@ def _inline_cond(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
         add.boundary("results", j, [((t,) * nb, (t,)) for t in _layouts(v.aval.shape, hier)],
                      ((ref,) * nb, (ref,)), [f(closed.jaxpr.outvars[j]) for f, closed in zip(inner, branches)],
                      [add.outer_out(j)])
-    scopes[add.sid] = add.scope
-    return True
+    return add.done(scopes)
 
 
 _INLINE = {"scan": _inline_loop, "while": _inline_loop, "cond": _inline_cond}
@@ -563,32 +567,40 @@ _INLINE = {"scan": _inline_loop, "while": _inline_loop, "cond": _inline_cond}
 def decisions(prob: Problem, choice: list[int]) -> tuple[dict, dict]:
     """The ``fixed`` and ``hubs`` maps of the pass that follows ``choice``: per top-scope node its
     signature (by id(equation)), per inlined loop a ``LoopPlan`` (by ("loop", id(equation))), per
-    inlined ``cond`` a ``CondPlan`` (by ("cond", id(equation))); per value read in several layouts
-    the hub it is first converted to."""
-    fixed = {id(n.eqn): n.cands[c] for n, c in zip(prob.nodes, choice) if n.scope is None}
-    hubs: dict = {}
-    body_hubs: dict = {}
+    inlined ``cond`` a ``CondPlan`` (by ("cond", id(equation))), whose bodies' maps hold the
+    plans of the steps nested in them alike; per value read in several layouts the hub it is
+    first converted to (in the map of the body it belongs to)."""
+    hubs_at: dict = {}  # (scope id, body index), None for the top scope -> {key: hub}
     for k, val in prob.values.items():
         h = conversions(prob, val, choice)[1]
         if h is None:
             continue
-        if isinstance(k, tuple) and len(k) == 3 and k[0] in prob.scopes:
-            body_hubs.setdefault(k[:2], {})[k[2]] = h
-        else:
-            hubs[k] = h
+        at = None
+        while isinstance(k, tuple) and len(k) == 3 and k[0] in prob.scopes:  # (unwrapped to its body's key)
+            at, k = k[:2], k[2]
+        hubs_at.setdefault(at, {})[k] = h
+    children: dict = {}
     for sid, sc in prob.scopes.items():
-        def pick(role, side):
-            return [prob.nodes[u].cands[choice[u]][side] for u in sc.roles.get(role, ())]
+        children.setdefault(sc.parent, []).append(sid)
 
-        bodies = [({id(prob.nodes[u].eqn): prob.nodes[u].cands[choice[u]] for u in us}, body_hubs.get((sid, b), {}), binf)
-                  for b, (binf, us) in enumerate(sc.bodies)]
+    def fixed_of(at, us):
+        fixed = {id(prob.nodes[u].eqn): prob.nodes[u].cands[choice[u]] for u in us}
+        for sid in children.get(at, ()):
+            sc = prob.scopes[sid]
+            fixed[(sc.kind, id(sc.eqn))] = plan_of(sid, sc)
+        return fixed
+
+    def plan_of(sid, sc):
+        def pick(role, side):
+            return [prob.nodes[u].cands[choice[u]][side][0] for u in sc.roles.get(role, ())]
+
+        bodies = [(fixed_of((sid, b), us), hubs_at.get((sid, b), {}), binf) for b, (binf, us) in enumerate(sc.bodies)]
         if sc.kind == "loop":
             (body_fixed, hub, binf), = bodies
-            fixed[("loop", sid)] = LoopPlan(*[[s[0] for s in pick(r, 0)] for r in ("const", "carry", "xs", "ys")],
-                                            body_fixed, hub, binf)
-        else:
-            fixed[("cond", sid)] = CondPlan([s[0] for s in pick("ops", 0)], [s[0] for s in pick("results", 1)], bodies)
-    return fixed, hubs
+            return LoopPlan(*[pick(r, 0) for r in ("const", "carry", "xs", "ys")], body_fixed, hub, binf)
+        return CondPlan(pick("ops", 0), pick("results", 1), bodies)
+
+    return fixed_of(None, [u for u, n in enumerate(prob.nodes) if n.scope is None]), hubs_at.get(None, {})
 
 
 # -------------------------------------------------------------------------------------------
