@@ -258,21 +258,6 @@ class _Inference:
         bx = self.box_value(i, cur, dst, v)
         return [] if bx is None else [bx]
 
-    def plans_nodes(self) -> bool:
-        """Whether a loop or ``cond`` met now records its candidates for the global planner (the
-        top scope of a pass under ``JSBP_PLANNER=global``)."""
-        return self.depth == 1 and _planner.enabled()
-
-    def node_choice(self, eqn, cur, sigs, costs) -> int | None:
-        """Record a loop's or ``cond``'s candidates (their step signatures ``sigs`` and what each
-        costs) as a node of the global problem (a ``"node"`` entry of the trace); the index of
-        the one a pass following the global planner's decisions takes, else None."""
-        self.trace.append(("node", eqn, list(cur), sigs, costs))
-        if self.fixed is not None and (sig := self.fixed.get(id(eqn))) in sigs:
-            self.followed.add(id(eqn))
-            return sigs.index(sig)
-        return None
-
     # ---------------------------------------------------------------------------------------
     def program(self, jaxpr, consts, in_layouts, out_nd=None, *, inline_of=None) -> Program:
         """Infer a (sub-)program. ``inline_of``: the caller's operands when the jaxpr is an inlined
@@ -646,8 +631,6 @@ class _Inference:
             if nd is not None:
                 ask(v, nd, None)
         for entry in reversed(self.trace):
-            if entry[0] == "node":
-                continue  # (its operands' asks follow as a "want" entry)
             if entry[0] == "want":
                 for v, nd in zip(entry[1], entry[2]):
                     ask(v, nd, id(entry))
@@ -935,8 +918,7 @@ def _unsplit_dim0(nd):
     return tuple(B if (x.is_split and x.dim == 0) else x for x in nd)
 
 
-def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_out_offset=0, trips: int = 1,
-                      eqn=None, sig_of=None, cur=None):
+def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_out_offset=0, trips: int = 1):
     """Fixed point for loop carries. ``make_sub(carry, force)`` infers the body with the given carry
     layouts; ``force`` boxes the carry outputs back to them. The init layouts are kept when the
     body gives them back. Otherwise the candidates are: the layouts the body produces on its own
@@ -944,13 +926,9 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
     placement axis, the init's SBP on some axes and the body's on the others, forced (a backward
     scan's activation gradient kept split over the data axis and partial over the model axis).
     The cheapest wins: ``trips`` times the body's cost, plus converting the init to the carry
-    layouts on entry and the carry back to the init layouts after the loop.
-
-    In the top scope (given ``eqn``, its operands' layouts ``cur`` and ``sig_of(carry, sub)``, the
-    loop step's signature) the candidates are also recorded for the global planner (a ``"node"``
-    entry of the trace: each candidate's signature and ``trips`` times its body's cost). It
-    chooses among them with the rest of the program, the conversions into and out of the loop as
-    its readers need them; a pass following its decisions (``_Inference.fixed``) takes that one."""
+    layouts on entry and the carry back to the init layouts after the loop. (The global planner
+    chooses the carry with the body's equations and the rest of the program instead:
+    ``_planner._inline_loop``.)"""
     n = len(carry_init)
 
     def outs_of(sub):
@@ -965,8 +943,6 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
     options = _loop_carry_options(inf, make_sub, carry_init, avals, free, outs_of, gives_back)
     hier = inf.placement.hierarchy
 
-    body = [trips * program_cost(sub) for _, sub in options]
-
     def total(i):
         edges = 0.0
         for c, k, aval in zip(carry_init, options[i][0], avals):
@@ -974,12 +950,8 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
                 size = _itemsize(aval)
                 edges += plan_cost(c.nd_sbp, k.nd_sbp, c.shape, hier, size)[0]
                 edges += plan_cost(k.nd_sbp, c.nd_sbp, c.shape, hier, size)[0]
-        return body[i] + edges
+        return trips * program_cost(options[i][1]) + edges
 
-    if eqn is not None and inf.plans_nodes():
-        k = inf.node_choice(eqn, cur, [sig_of(*o) for o in options], body)
-        if k is not None:
-            return options[k]
     return options[min(range(len(options)), key=total)]
 
 
@@ -1017,26 +989,25 @@ carry's fixed point tries the same layouts again."""
 
 def _body_program(inf: _Inference, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     """A loop body, planned as a program of its own (``_search``: the anchored and free seeds,
-    each refined by the lookahead over the body's equations; under ``JSBP_PLANNER=global`` the
-    global planner, given the layouts at the body's boundary). Planned inside the enclosing
+    each refined by the lookahead over the body's equations). Planned inside the enclosing
     program instead, a body was chosen one equation at a time with no lookahead: BatchNorm's
     partial batch statistics were reduce-scattered (cheaper for that equation alone) and
     all-gathered back by the normalisation, two collectives per statistic where one all-reduce
     does (the scan-over-layers MLP under dp=8: 25 collectives per step, GSPMD 13).
 
     Planned once per ``infer`` call for each (body, constants, boundary layouts, wanted outputs,
-    strictness, planner): the passes of the enclosing program share the plan (read-only)."""
-    glob = _planner.enabled()
+    strictness): the passes of the enclosing program share the plan (read-only). (The global
+    planner plans the body with the rest of the program: ``_planner._inline_loop``.)"""
     plans = _BODY_PLANS.get()
     key = (id(jaxpr), tuple(map(id, consts)), tuple((l.nd_sbp, l.shape) for l in in_layouts),
            None if out_nd is None else tuple(None if nd is None else tuple(nd) for nd in out_nd),
-           inf.strict, glob)
+           inf.strict)
     hit = None if plans is None else plans.get(key)
     if hit is not None and hit[0] is jaxpr and all(a is b for a, b in zip(hit[1], consts)):
         return hit[2]
     token = _IN_BODY.set(True)
     try:
-        prog = _search(inf.placement, jaxpr, consts, in_layouts, out_nd, inf.strict, plan_globally=glob)
+        prog = _search(inf.placement, jaxpr, consts, in_layouts, out_nd, inf.strict)
     finally:
         _IN_BODY.reset(token)
     if plans is not None:  # (the entry holds the body and its constants: their ids stay theirs)
@@ -1080,12 +1051,8 @@ def _infer_scan(inf: _Inference, eqn, cur):
     def ys_of(sub):
         return [inf.lay(_shift_split(l.nd_sbp, +1), v.aval) for l, v in zip(sub.out_layouts[nk:], eqn.outvars[nk:])]
 
-    def sig_of(carry, sub):
-        return (tuple(l.nd_sbp for l in (*consts_l, *carry, *xs_need)),
-                tuple(l.nd_sbp for l in (*carry, *ys_of(sub))))
-
     carry, sub = _infer_loop_carry(inf, make_sub, cur[nc: nc + nk], [v.aval for v in eqn.invars[nc: nc + nk]],
-                                   trips=p["length"], eqn=eqn, sig_of=sig_of, cur=cur)
+                                   trips=p["length"])
     for i, (c, want, v) in enumerate(zip(cur[nc: nc + nk], carry, eqn.invars[nc: nc + nk])):
         if (bx := inf.box(nc + i, c, want, v.aval)) is not None:
             boxings.append(bx)
@@ -1144,11 +1111,7 @@ def _infer_while(inf: _Inference, eqn, cur):
         return _body_program(inf, bj.jaxpr, bj.consts, list(bconsts) + list(carry),
                              [c.nd_sbp for c in carry] if force else None)
 
-    def sig_of(carry, body):
-        return (tuple(l.nd_sbp for l in (*cconsts, *bconsts, *carry)), tuple(l.nd_sbp for l in carry))
-
-    carry, body = _infer_loop_carry(inf, make_sub, init, [v.aval for v in eqn.invars[cn + bn:]], trips=WHILE_TRIPS,
-                                    eqn=eqn, sig_of=sig_of, cur=cur)
+    carry, body = _infer_loop_carry(inf, make_sub, init, [v.aval for v in eqn.invars[cn + bn:]], trips=WHILE_TRIPS)
     cond = inf.program(cj.jaxpr, cj.consts, list(cconsts) + list(carry), out_nd=[(B,) * inf.placement.ndim])
     boxings = []
     for i, (c, want, v) in enumerate(zip(init, carry, eqn.invars[cn + bn:])):
@@ -1170,7 +1133,7 @@ def _infer_cond(inf: _Inference, eqn, cur):
     out_nd = [l.nd_sbp for l in first.out_layouts]
     subs = [first] + [_branch_program(inf, b, ops, out_nd) for b in branches[1:]]
     if len(branches) > 1:
-        subs = _cond_results_choice(inf, eqn, cur, idx_want, subs)
+        subs = _cond_results_choice(inf, eqn, cur, subs)
     return Step(eqn, [idx_want] + list(ops), list(subs[0].out_layouts), boxings, sub=subs, kind="cond")
 
 
@@ -1197,7 +1160,7 @@ def _follow_cond(inf: _Inference, eqn, cur, plan):
     return Step(eqn, lays, list(subs[0].out_layouts), boxings, sub=subs, kind="cond")
 
 
-def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
+def _cond_results_choice(inf: _Inference, eqn, cur, subs):
     """The layouts of a ``cond``'s results, chosen among the first branch's own (``subs``: the
     others forced to them), each other branch's own, and B, every branch forced to them. A
     candidate costs its branches' ``program_cost`` summed (as ``program_cost`` counts a ``cond``:
@@ -1206,9 +1169,8 @@ def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
     decides: a branch whose matmul leaves a partial sum and one that passes a split operand on,
     read replicated after the ``cond``, all-reduce once (the split one zero-fills) whatever their
     order, where the first branch's layouts cost a reduce-scatter and an all-gather with the split
-    one first. Under the global planner the candidates are a choice of the whole program's
-    problem (a ``"node"`` entry of the trace, as a loop's carry) and a pass following its
-    decisions takes the chosen one."""
+    one first. (The global planner chooses them with the branches' equations and the rest of the
+    program instead: ``_planner._inline_cond``.)"""
     hier = inf.placement.hierarchy
     wanted = [() if isinstance(v, jcore.DropVar) else tuple(inf.demand.get(inf.key(v), ())) for v in eqn.outvars]
 
@@ -1220,9 +1182,8 @@ def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
                     cost += plan_cost(lay.nd_sbp, w, lay.shape, hier, _itemsize(v.aval))[0]
         return cost
 
-    glob = inf.plans_nodes()
     first_cost = sum(program_cost(sub) for sub in subs)
-    if not glob and first_cost + exits(subs) == 0.0:
+    if first_cost + exits(subs) == 0.0:
         return subs  # nothing to gain
     branches, ops = eqn.params["branches"], cur[1:]
     options = [subs]
@@ -1236,20 +1197,12 @@ def _cond_results_choice(inf: _Inference, eqn, cur, idx_want, subs):
             seen.add(nd)
             options.append([sub if j == i else _branch_program(inf, b, ops, list(nd)) for j, b in enumerate(branches)])
     body = [first_cost] + [sum(program_cost(sub) for sub in o) for o in options[1:]]
-    if glob:
-        ins = (idx_want.nd_sbp, *(l.nd_sbp for l in ops))
-        k = inf.node_choice(eqn, cur, [(ins, tuple(l.nd_sbp for l in o[0].out_layouts)) for o in options], body)
-        if k is not None:
-            return options[k]
     return options[min(range(len(options)), key=lambda i: body[i] + exits(options[i]))]
 
 
 def _branch_program(inf: _Inference, closed, ops, out_nd=None) -> Program:
-    """A ``cond`` branch: planned inside the enclosing pass (equation by equation), or under
-    ``JSBP_PLANNER=global`` by the global planner as a program of its own, given the operand
-    layouts (and the first branch's result layouts for the others)."""
-    if _planner.enabled():
-        return _search(inf.placement, closed.jaxpr, closed.consts, ops, out_nd, inf.strict, plan_globally=True)
+    """A ``cond`` branch, planned inside the enclosing pass (equation by equation) given the
+    operand layouts (and the first branch's result layouts for the others)."""
     return inf.program(closed.jaxpr, closed.consts, ops, out_nd=out_nd)
 
 

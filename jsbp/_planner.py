@@ -216,13 +216,11 @@ def build(inf, prog, jaxpr, out_nd, weights=None) -> Problem:
     without a producer: as often as its most repeated reader), so the reduced program's problem
     weighs a block against the model's ends as the whole program does."""
     traced = {id(e[1]): e for e in inf.trace if e[0] == "prim"}
-    owned = {id(e[1]): e for e in inf.trace if e[0] == "node"}  # loops, conds: candidates of their own
     hier = inf.placement.hierarchy
     nodes: list[Node] = []
     values: dict = {}
     preset: dict = {}
     scopes: dict = {}
-    inline = inline_bodies()
     work: dict = {}  # id(candidates) -> (candidates, ``_work``): equal equations share their list
 
     def value(v, nd=None):
@@ -250,18 +248,10 @@ def build(inf, prog, jaxpr, out_nd, weights=None) -> Problem:
         for st in p.steps:
             if st.kind == "call":
                 walk(st.sub)
-            elif inline and st.kind in _INLINE and \
-                    _INLINE[st.kind](inf, st, nodes, values, value, fixed_value, preset, scopes):
-                pass  # its body's equations and its boundary are nodes of this problem
-            elif id(st.eqn) in traced or id(st.eqn) in owned:
-                # an equation with candidate signatures: a primitive (its rule's), a loop (its
-                # carry layouts, each costing ``trips`` times its body's plan) or a cond (its
-                # results' layouts, each its branches' plans summed)
-                entry = owned.get(id(st.eqn))
-                if entry is None:
-                    _, eqn, cur, cands = traced[id(st.eqn)]
-                else:
-                    _, eqn, cur, cands, sub_costs = entry
+            elif st.kind in _INLINE:  # a loop, a cond: its bodies' equations and its boundary are nodes
+                _INLINE[st.kind](inf, st, nodes, values, value, fixed_value, preset, scopes)
+            elif id(st.eqn) in traced:  # a primitive with candidate signatures (its rule's)
+                _, eqn, cur, cands = traced[id(st.eqn)]
                 u = len(nodes)
                 operands = []
                 for i, v in enumerate(eqn.invars):
@@ -280,10 +270,6 @@ def build(inf, prog, jaxpr, out_nd, weights=None) -> Problem:
                     k, val = value(v)
                     val.producer, val.nd = (u, j), None
                     outputs.append(k)
-                if entry is not None:
-                    nodes.append(Node(eqn, list(cands), operands, outputs, np.array(sub_costs, dtype=float),
-                                      kind=id(cands)))
-                    continue
                 w = work.get(id(cands))
                 if w is None or w[0] is not cands:
                     w = work[id(cands)] = (cands, _work(eqn, cands, hier))
@@ -326,15 +312,6 @@ def _b(hier):
 # -------------------------------------------------------------------------------------------
 # bodies inlined: a loop's or cond's body equations as nodes of the enclosing problem
 # -------------------------------------------------------------------------------------------
-
-
-def inline_bodies() -> bool:
-    """Whether ``build`` makes the equations of a top-scope ``scan``'s, ``while``'s or ``cond``'s
-    bodies nodes of the enclosing problem (``_inline_loop``, ``_inline_cond``;
-    ``JSBP_INLINE_BODIES=0``: the step is one node, its candidates the carry or result layouts
-    ``_compiler`` proposes, each costing its bodies' own plans, as before session 24). Steps
-    nested in a body are inlined in turn."""
-    return os.environ.get("JSBP_INLINE_BODIES", "1").strip() != "0"
 
 
 @dataclasses.dataclass
@@ -449,10 +426,9 @@ class _Inliner:
                 parent=(self.sid, b) if sc.parent is None else sc.parent)
         return lambda v: None if isinstance(v, jcore.Literal) else wrap(binf.key(v))
 
-    def done(self, scopes) -> bool:
+    def done(self, scopes) -> None:
         scopes.update(self.nested)
         scopes[self.sid] = self.scope
-        return True
 
     def outer_in(self, i):
         """Operand ``i``'s key (None: a literal, in every layout at no cost)."""
@@ -485,7 +461,7 @@ class _Inliner:
         self.scope.roles.setdefault(role, []).append(u)
 
 
-def _inline_loop(inf, st, nodes, values, value, fixed_value, preset, scopes) -> bool:
+def _inline_loop(inf, st, nodes, values, value, fixed_value, preset, scopes) -> None:
     """Add loop step ``st``'s body (a ``scan``'s or a ``while``'s) to the problem being built
     (``build``'s ``nodes`` / ``values``): its equations as nodes whose compute and whose values'
     conversions count once per iteration (a scan's ``length``, ``WHILE_TRIPS``), and a boundary
@@ -495,7 +471,7 @@ def _inline_loop(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
     layout, the body's slice that one without the scan axis) and per scanned output. A
     ``while``'s condition reads its constants as they are and the carry in the layouts chosen
     (its few scalar equations are not in the problem). Steps nested in the body are inlined in
-    turn (``build`` of the body), their iterations multiplying. True: inlined."""
+    turn (``build`` of the body), their iterations multiplying."""
     from ._compiler import WHILE_TRIPS, _shift_split, scan_counts
 
     eqn = st.eqn
@@ -531,15 +507,15 @@ def _inline_loop(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
         cands = [((t,), (_shift_split(t, +1),)) for t in _layouts(bj.outvars[j].aval.shape, hier)]
         add.boundary("ys", j - nk, cands, ((ref,), (_shift_split(ref, +1),)), [inner(bj.outvars[j])],
                      [add.outer_out(j)])
-    return add.done(scopes)
+    add.done(scopes)
 
 
-def _inline_cond(inf, st, nodes, values, value, fixed_value, preset, scopes) -> bool:
+def _inline_cond(inf, st, nodes, values, value, fixed_value, preset, scopes) -> None:
     """Add ``cond`` step ``st``'s branches to the problem being built: each branch's equations as
     nodes (counted once each, as ``program_cost`` counts a ``cond``: which branch runs is not
     known), a boundary node per operand (the layout every branch reads it in, converted once
     before the ``cond``) and per result (the layout every branch leaves it in). The index is
-    read replicated. Steps nested in a branch are inlined in turn. True: inlined."""
+    read replicated. Steps nested in a branch are inlined in turn."""
     eqn = st.eqn
     add = _Inliner(inf, st, nodes, values, value, fixed_value, preset, "cond")
     out_nd = [l.nd_sbp for l in st.out_layouts]
@@ -558,7 +534,7 @@ def _inline_cond(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
         add.boundary("results", j, [((t,) * nb, (t,)) for t in _layouts(v.aval.shape, hier)],
                      ((ref,) * nb, (ref,)), [f(closed.jaxpr.outvars[j]) for f, closed in zip(inner, branches)],
                      [add.outer_out(j)])
-    return add.done(scopes)
+    add.done(scopes)
 
 
 _INLINE = {"scan": _inline_loop, "while": _inline_loop, "cond": _inline_cond}

@@ -415,35 +415,29 @@ def _loop_bodies(prog):
     return [sub for _, st in C.iter_steps(prog) if st.kind in ("scan", "while") for sub in C.subprograms(st)]
 
 
-@pytest.mark.parametrize("inline", [True, False], ids=["inlined", "decomposed"])
-def test_global_planner_plans_loop_bodies(inline, monkeypatch):
+def test_global_planner_plans_loop_bodies(monkeypatch):
     """Under ``JSBP_PLANNER=global`` a loop body is planned globally. The zoo's scan-over-layers
     MLP (BatchNorm in the body) on dp=2 x tp=4: the search keeps the backward body's activation
     gradients partial over dp and ends each iteration with two reduce-scatters and an all-reduce
     over both axes (5.25 MB-eq per iteration).
 
-    Inlined (the default: the body's equations and its boundary are nodes of the step's problem,
-    ``_planner._inline_loop``) the backward body runs in 2.10 MB-eq per iteration, the forward
+    With the bodies' equations and their boundaries nodes of the step's problem
+    (``_planner._inline_loop``) the backward body runs in 2.10 MB-eq per iteration, the forward
     one as before (2.10), and the step, each body counted once per iteration, costs 14.03 MB-eq
-    against the search's 25.03 (10 compiled collectives -> 6). Decomposed
-    (``JSBP_INLINE_BODIES=0``: each body planned by itself given the layouts at its boundary) the
-    backward body all-reduces one gradient over dp early and runs the rest replicated over dp
-    (5.25 -> 3.15 MB-eq per iteration). Same loss as the search's plan, whose values
+    against the search's 25.03 (10 compiled collectives -> 6). (Each body planned by itself given
+    the layouts at its boundary, before session 24, the backward body ran in 3.15 MB-eq.) Same loss as the search's plan, whose values
     ``test_model_zoo`` checks against one device; a second step reads the first update."""
     monkeypatch.delenv("JSBP_PLANNER", raising=False)  # the search's plan (whatever the suite runs under)
     search_fn, state, batch = _zoo_step("scan_mlp", "dp2tp4")
     search_prog = search_fn.lower_program(state, batch).program
     monkeypatch.setenv("JSBP_PLANNER", "global")
-    monkeypatch.setenv("JSBP_INLINE_BODIES", "1" if inline else "0")
     global_fn, _, _ = _zoo_step("scan_mlp", "dp2tp4")
     global_prog = global_fn.lower_program(state, batch).program
     searched = [C.program_cost(b) for b in _loop_bodies(search_prog)]
     planned = [C.program_cost(b) for b in _loop_bodies(global_prog)]
     assert len(planned) == len(searched) >= 2
-    if inline:  # (the forward body may cost a little more per iteration for a cheaper whole)
-        assert sum(planned) < 0.85 * sum(searched), (planned, searched)
-    else:
-        assert all(g <= s + 1e-6 for g, s in zip(planned, searched)), (planned, searched)
+    # (the forward body may cost a little more per iteration for a cheaper whole)
+    assert sum(planned) < 0.85 * sum(searched), (planned, searched)
     assert min(g / s for g, s in zip(planned, searched)) < 0.75, (planned, searched)
     assert C.program_cost(global_prog, loops=True) < C.program_cost(search_prog, loops=True)
     assert C.program_cost(global_prog) < C.program_cost(search_prog)
@@ -487,7 +481,6 @@ def test_loop_carry_is_chosen_with_the_rest_of_the_program(rows, monkeypatch):
     assert counts["search"]["all-gather"] == 1 and sum(counts["search"].values()) == 1, counts
     assert sum(counts["global"].values()) == 0, counts
     placement, jaxpr, consts, lays, out_nd = _captured(f, (c, xs), monkeypatch, out_sbp=jsbp.sbp.split(0))
-    monkeypatch.setenv("JSBP_PLANNER", "global")  # (the reference pass records loops for it)
     inf = C._Inference(placement, None, {}, frozenset(jaxpr.invars))
     prog = inf.program(jaxpr, consts, lays, out_nd)
     problem = G.build(inf, prog, jaxpr, out_nd)
@@ -497,10 +490,6 @@ def test_loop_carry_is_chosen_with_the_rest_of_the_program(rows, monkeypatch):
     assert {ins[0] for ins, _ in carry.cands} == {(jsbp.sbp.broadcast,), (jsbp.sbp.partial_sum,), (jsbp.sbp.split(0),), (jsbp.sbp.split(1),)}
     assert [n.eqn.primitive.name for n in problem.nodes if n.scope is not None and not isinstance(n.eqn, G._Mark)] \
         == ["add"]
-    monkeypatch.setenv("JSBP_INLINE_BODIES", "0")  # the loop one node, as before
-    problem = G.build(inf, prog, jaxpr, out_nd)
-    (loop,) = [n for n in problem.nodes if n.eqn.primitive.name == "scan"]
-    assert len(loop.cands) == 2  # the carry as the body gives it back (S(0)), or forced to B
 
 
 def _recurrence(a, h0, xs):
@@ -539,8 +528,8 @@ def test_inlined_loop_converts_a_loop_invariant_once(loop, monkeypatch):
     layout a loop constant enters the loop in is a variable: the column-split weight is
     all-gathered once before the loop and the iterations run with no communication (on
     batch-split rows in the scan). The search, and the global planner with the body planned by
-    itself given the boundary (``JSBP_INLINE_BODIES=0``), keep the weight split and all-gather the
-    new hidden state every iteration. Values match one device in each."""
+    itself given the boundary (before session 24: 8.01 MiB-eq as the search), keep the weight
+    split and all-gather the new hidden state every iteration. Values match one device in each."""
     av, hv, xv = rand(32, 32) * 0.2, rand(16, 32), rand(8, 16, 32)
     if loop == "scan":
         fn_of, vals, lays = _recurrence, (av, hv, xv), ("S(1)", "B", "B")
@@ -549,16 +538,14 @@ def test_inlined_loop_converts_a_loop_invariant_once(loop, monkeypatch):
     args = [gt(v, P8, lay) for v, lay in zip(vals, lays)]
     want = fn_of(*vals)
     got = {}
-    for mode in ("search", "decomposed", "inlined"):
-        _use_planner("search" if mode == "search" else "global", monkeypatch)
-        monkeypatch.setenv("JSBP_INLINE_BODIES", "0" if mode == "decomposed" else "1")
+    for mode in ("search", "global"):
+        _use_planner(mode, monkeypatch)
         fn = jsbp.jit(fn_of)
         assert_tree_close(fn(*args), want, rtol=1e-5, atol=1e-5)
         prog = fn.lower_program(*args).program
         got[mode] = (_loop_collectives(prog), C.program_cost(prog, loops=True))
-    assert got["search"][0] == (0, 1) and got["decomposed"][0] == (0, 1), got
-    assert got["inlined"][0] == (1, 0), got
-    assert got["inlined"][1] < got["search"][1] / 4, got
+    assert got["search"][0] == (0, 1) and got["global"][0] == (1, 0), got
+    assert got["global"][1] < got["search"][1] / 4, got
 
 
 def _nested(a, h0, xs):
@@ -577,7 +564,7 @@ def _nested(a, h0, xs):
 def test_nested_bodies_are_inlined_in_turn(monkeypatch):
     """A loop or ``cond`` inside an inlined body is inlined in turn (its iterations multiplying):
     the whole nest is one problem. The column-split weight read in the inner scan and a branch is
-    all-gathered once before the outer loop; the search and the decomposition gather every
+    all-gathered once before the outer loop; the search (as the global planner before session 24) gathers every
     iteration (the inner loop's hidden state and the branch's result: 16.03 MiB-eq with
     iterations counted, 2 compiled all-gathers, against 1.00 and 1). Values match one device."""
     av, hv, xv = rand(32, 32) * 0.2, rand(16, 32), rand(4, 16, 32)
@@ -587,15 +574,14 @@ def test_nested_bodies_are_inlined_in_turn(monkeypatch):
     decide = G.decisions
     monkeypatch.setattr(G, "decisions", lambda prob, choice: scopes.append(dict(prob.scopes)) or decide(prob, choice))
     got = {}
-    for mode in ("search", "decomposed", "inlined"):
-        _use_planner("search" if mode == "search" else "global", monkeypatch)
-        monkeypatch.setenv("JSBP_INLINE_BODIES", "0" if mode == "decomposed" else "1")
+    for mode in ("search", "global"):
+        _use_planner(mode, monkeypatch)
         fn = jsbp.jit(_nested)
         assert_tree_close(fn(*args), want, rtol=1e-4, atol=1e-4)
         got[mode] = (C.program_cost(fn.lower_program(*args).program, loops=True),
                      sum(jsbp.debug.count_collectives(fn, *args).values()))
-    assert got["search"][1] == got["decomposed"][1] == 2 and got["inlined"][1] == 1, got
-    assert got["inlined"][0] < got["search"][0] / 10, got
+    assert got["search"][1] == 2 and got["global"][1] == 1, got
+    assert got["global"][0] < got["search"][0] / 10, got
     nests = [{(sc.kind, sc.parent is None) for sc in s.values()} for s in scopes]
     assert {("loop", True), ("loop", False), ("cond", False)} in nests, nests
 
@@ -631,10 +617,9 @@ def test_inlined_bodies_match_one_device(placement, layouts, monkeypatch):
     monkeypatch.delenv("JSBP_PLANNER", raising=False)
     searched = C.program_cost(jsbp.jit(_controlled).lower_program(*args, flag[0]).program, loops=True)
     monkeypatch.setenv("JSBP_PLANNER", "global")
-    monkeypatch.setenv("JSBP_INLINE_BODIES", "1")
     inlined = set()
     for kind, inline in list(G._INLINE.items()):
-        monkeypatch.setitem(G._INLINE, kind, lambda *a, kind=kind, inline=inline: inline(*a) and not inlined.add(kind))
+        monkeypatch.setitem(G._INLINE, kind, lambda *a, kind=kind, inline=inline: (inline(*a), inlined.add(kind)))
     fn = jsbp.jit(_controlled)
     for f, s in zip(flag, (1, -1)):
         assert_tree_close(fn(*args, f), _controlled(av, hv, xv, np.float32(s)), rtol=1e-5, atol=1e-5)
