@@ -258,6 +258,12 @@ class _Inference:
         bx = self.box_value(i, cur, dst, v)
         return [] if bx is None else [bx]
 
+    def decided(self, kind: str, eqn):
+        """The global planner's plan for loop or ``cond`` ``eqn`` (``kind`` "loop" / "cond": a
+        ``_planner.LoopPlan`` / ``CondPlan``) in a top-scope pass following its decisions, else
+        None."""
+        return None if self.fixed is None or self.depth != 1 else self.fixed.get((kind, id(eqn)))
+
     # ---------------------------------------------------------------------------------------
     def program(self, jaxpr, consts, in_layouts, out_nd=None, *, inline_of=None) -> Program:
         """Infer a (sub-)program. ``inline_of``: the caller's operands when the jaxpr is an inlined
@@ -1028,7 +1034,7 @@ def scan_counts(params) -> tuple[int, int]:
 def _infer_scan(inf: _Inference, eqn, cur):
     p = eqn.params
     nc, nk = scan_counts(p)
-    if inf.fixed is not None and inf.depth == 1 and (plan := inf.fixed.get(("loop", id(eqn)))) is not None:
+    if (plan := inf.decided("loop", eqn)) is not None:
         return _follow_loop(inf, eqn, cur, plan)
     closed = p["jaxpr"]
     consts_l = cur[:nc]
@@ -1101,7 +1107,7 @@ def _follow_loop(inf: _Inference, eqn, cur, plan):
 
 def _infer_while(inf: _Inference, eqn, cur):
     p = eqn.params
-    if inf.fixed is not None and inf.depth == 1 and (plan := inf.fixed.get(("loop", id(eqn)))) is not None:
+    if (plan := inf.decided("loop", eqn)) is not None:
         return _follow_loop(inf, eqn, cur, plan)
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
@@ -1122,7 +1128,7 @@ def _infer_while(inf: _Inference, eqn, cur):
 
 def _infer_cond(inf: _Inference, eqn, cur):
     branches = eqn.params["branches"]
-    if inf.fixed is not None and inf.depth == 1 and (plan := inf.fixed.get(("cond", id(eqn)))) is not None:
+    if (plan := inf.decided("cond", eqn)) is not None:
         return _follow_cond(inf, eqn, cur, plan)
     boxings = []
     idx_want = inf.lay_b(eqn.invars[0].aval)

@@ -37,6 +37,7 @@ import math
 import os
 from collections import Counter
 
+import jax
 import numpy as np
 from jax.extend import core as jcore
 
@@ -117,7 +118,7 @@ class Node:
     outputs: list  # per output: value key or None (dropped)
     cost: np.ndarray  # per candidate: redundant compute (byte-equivalents)
     kind: object = 0  # equal for equations sharing one candidate list (same rule, parameters, types)
-    scope: int | None = None  # id of the loop equation whose body (or boundary) it belongs to
+    scope: int | None = None  # the inlined loop / cond whose body (or boundary) it belongs to (``_Scope``)
 
 
 @dataclasses.dataclass
@@ -144,7 +145,7 @@ class Problem:
     # node index -> its candidate in the starting plan, where the plan's steps do not tell
     # (an inlined loop body's nodes, its boundary's: ``_inline_loop``)
     preset: dict = dataclasses.field(default_factory=dict)
-    scopes: dict = dataclasses.field(default_factory=dict)  # id(loop / cond equation) -> ``_Scope``
+    scopes: dict = dataclasses.field(default_factory=dict)  # scope id -> ``_Scope`` (inlined loops / conds)
 
     def table(self, v: Value) -> dict:
         """(src, dst) -> the unweighted ``edge`` cost, one table per (shape, itemsize, anchored)."""
@@ -316,7 +317,7 @@ def _b(hier):
 
 @dataclasses.dataclass
 class _Mark:
-    """The stand-in equation of a boundary node of an inlined loop (``_inline_loop``)."""
+    """The stand-in equation of a boundary node of an inlined loop or ``cond`` (``_Inliner``)."""
 
     eqn: object
     role: str  # a loop's "const", "carry", "xs", "ys"; a cond's "ops", "results"
@@ -364,11 +365,12 @@ class CondPlan:
     branches: list  # [(fixed, hubs, body)]
 
 
-def _layouts(shape, hier) -> list[tuple]:
-    """Every nd-sbp of a value of ``shape`` on ``hier`` that a loop or ``cond`` boundary may take:
-    per axis B, P (sum) or a split of a dim at least as long as the axis."""
-    per = [[_BCAST, _sbp.partial_sum] + [_sbp.Split(d) for d, n in enumerate(shape) if n >= size]
-           for size in hier]
+def _layouts(aval, hier) -> list[tuple]:
+    """Every nd-sbp of a value of type ``aval`` on ``hier`` that a loop or ``cond`` boundary may
+    take: per axis B, P (sum; numbers only, not booleans or PRNG keys) or a split of a dim at least
+    as long as the axis."""
+    partial = [_sbp.partial_sum] if jax.dtypes.issubdtype(aval.dtype, np.number) else []
+    per = [[_BCAST, *partial] + [_sbp.Split(d) for d, n in enumerate(aval.shape) if n >= size] for size in hier]
     return list(itertools.product(*per))
 
 
@@ -489,22 +491,22 @@ def _inline_loop(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
     hier = add.hier
     for i in range(nc):
         ref = st.in_layouts[first + i].nd_sbp
-        add.boundary("const", i, [((t,), (t,)) for t in _layouts(bj.invars[i].aval.shape, hier)],
+        add.boundary("const", i, [((t,), (t,)) for t in _layouts(bj.invars[i].aval, hier)],
                      ((ref,), (ref,)), [add.outer_in(first + i)], [inner(bj.invars[i])])
     for j in range(nk):
         sig = lambda t: ((t, t), (t, t))  # noqa: E731
-        add.boundary("carry", j, [sig(t) for t in _layouts(bj.invars[nc + j].aval.shape, hier)],
+        add.boundary("carry", j, [sig(t) for t in _layouts(bj.invars[nc + j].aval, hier)],
                      sig(st.out_layouts[j].nd_sbp), [add.outer_in(first + nc + j), inner(bj.outvars[j])],
                      [inner(bj.invars[nc + j]), add.outer_out(j)])
     for i in range(first + nc + nk, len(eqn.invars)):  # (a scan's: ``first`` is 0)
         ref = st.in_layouts[i].nd_sbp
-        cands = [((t,), (_shift_split(t, -1),)) for t in _layouts(eqn.invars[i].aval.shape, hier)
+        cands = [((t,), (_shift_split(t, -1),)) for t in _layouts(eqn.invars[i].aval, hier)
                  if not any(x.is_split and x.dim == 0 for x in t)]
         add.boundary("xs", i - nc - nk, cands, ((ref,), (_shift_split(ref, -1),)), [add.outer_in(i)],
                      [inner(bj.invars[i])])
     for j in range(nk, len(bj.outvars)):
         ref = _shift_split(st.out_layouts[j].nd_sbp, -1)
-        cands = [((t,), (_shift_split(t, +1),)) for t in _layouts(bj.outvars[j].aval.shape, hier)]
+        cands = [((t,), (_shift_split(t, +1),)) for t in _layouts(bj.outvars[j].aval, hier)]
         add.boundary("ys", j - nk, cands, ((ref,), (_shift_split(ref, +1),)), [inner(bj.outvars[j])],
                      [add.outer_out(j)])
     add.done(scopes)
@@ -526,12 +528,12 @@ def _inline_cond(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
         values[k].own.append(_b(hier))
     for i in range(1, len(eqn.invars)):
         ref = st.in_layouts[i].nd_sbp
-        add.boundary("ops", i - 1, [((t,), (t,) * nb) for t in _layouts(eqn.invars[i].aval.shape, hier)],
+        add.boundary("ops", i - 1, [((t,), (t,) * nb) for t in _layouts(eqn.invars[i].aval, hier)],
                      ((ref,), (ref,) * nb), [add.outer_in(i)],
                      [f(closed.jaxpr.invars[i - 1]) for f, closed in zip(inner, branches)])
     for j, v in enumerate(eqn.outvars):
         ref = st.out_layouts[j].nd_sbp
-        add.boundary("results", j, [((t,) * nb, (t,)) for t in _layouts(v.aval.shape, hier)],
+        add.boundary("results", j, [((t,) * nb, (t,)) for t in _layouts(v.aval, hier)],
                      ((ref,) * nb, (ref,)), [f(closed.jaxpr.outvars[j]) for f, closed in zip(inner, branches)],
                      [add.outer_out(j)])
     add.done(scopes)

@@ -586,6 +586,32 @@ def test_nested_bodies_are_inlined_in_turn(monkeypatch):
     assert {("loop", True), ("loop", False), ("cond", False)} in nests, nests
 
 
+def _noisy_decay(x, key):
+    """A scan carrying a PRNG key, a float state and a boolean flag."""
+    def body(c, _):
+        k, h, flag = c
+        k, sub = jax.random.split(k)
+        h = h * 0.9 + jax.random.normal(sub, h.shape) * 0.01
+        return (k, h, jnp.logical_or(flag, h.sum() > 0)), h.mean()
+
+    (k, h, flag), ys = jax.lax.scan(body, (key, x, False), None, length=4)
+    return h, flag, ys, jax.random.key_data(k)
+
+
+@pytest.mark.parametrize("layout", ["B", "S(0)", "S(1)"])
+def test_inlined_loop_carries_keys_and_booleans(layout, monkeypatch):
+    """A boundary offers P only for numbers (``_planner._layouts``): a PRNG key and a boolean
+    carried through an inlined scan come out as on one device, whatever the state's layout."""
+    xv = rand(16, 8)
+    want = jax.jit(_noisy_decay)(xv, jax.random.key(1))
+    monkeypatch.setenv("JSBP_PLANNER", "global")
+    got = jsbp.jit(_noisy_decay)(gt(xv, P8, layout), jax.random.key(1))
+    for o, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(o.numpy()), np.asarray(r), rtol=1e-5, atol=1e-6)
+    assert not any(x.is_partial for lay in G._layouts(jax.ShapeDtypeStruct((), jax.random.key(0).dtype), (8,)) for x in lay)
+    assert not any(x.is_partial for lay in G._layouts(jax.ShapeDtypeStruct((), np.bool_), (8,)) for x in lay)
+
+
 _INLINE_LAYOUTS_1D = list(itertools.product(["B", "S(0)", "S(1)"], ["B", "S(0)", "S(1)"], ["B", "S(0)", "S(1)", "S(2)"]))
 _INLINE_LAYOUTS_2D = [(a, h, x) for a, h, x in itertools.product(
     itertools.product(["B", "S(0)", "S(1)"], repeat=2), itertools.product(["B", "S(0)", "S(1)"], repeat=2),
