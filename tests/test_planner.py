@@ -678,7 +678,9 @@ def test_loop_bodies_are_planned_once_per_infer(monkeypatch):
         c, ys = jax.lax.scan(body, jnp.zeros((1, 4)), xs)
         return c.sum() + ys.sum()
 
-    args = (gt(rand(3, 8, 6), P2x2, ("S(1)", "B")), gt(rand(6, 4), P2x2, ("B", "S(1)")))
+    rng = np.random.default_rng(7)  # (its own: the shared generator's draws depend on the test order)
+    args = (gt(rng.standard_normal((3, 8, 6), np.float32), P2x2, ("S(1)", "B")),
+            gt(rng.standard_normal((6, 4), np.float32), P2x2, ("B", "S(1)")))
     calls = []
     real = C._search
 
@@ -704,7 +706,8 @@ def test_loop_bodies_are_planned_once_per_infer(monkeypatch):
         for b in _loop_bodies(anew)
     ]
     out = jsbp.jit(fn)(*args)
-    np.testing.assert_allclose(out.numpy(), fn(*(a.numpy() for a in args)), rtol=1e-5)
+    # (a sum of ~30 terms of size ~1 may nearly cancel: float32 rounding is absolute, ~1e-6)
+    np.testing.assert_allclose(out.numpy(), fn(*(a.numpy() for a in args)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("partial_first", [True, False])
