@@ -1066,13 +1066,37 @@ def _infer_scan(inf: _Inference, eqn, cur):
     return Step(eqn, in_lays, list(carry) + ys_of(sub), boxings, sub=sub, kind="scan")
 
 
+def _box_to(inf: _Inference, eqn, cur, first: int, nds) -> tuple[list[Layout], list[Boxing]]:
+    """Operands ``first`` on of ``eqn`` converted to the layouts ``nds`` the global planner chose
+    (through the conversion cache, as the planner's edges count them): all operands' layouts after
+    (those before ``first`` as they are), and the boxings."""
+    lays, boxings = list(cur[:first]), []
+    for i, (v, nd) in enumerate(zip(eqn.invars[first:], nds), first):
+        want = inf.lay(nd, v.aval)
+        boxings += inf.box_operand(i, cur[i], want, v)
+        lays.append(want)
+    return lays, boxings
+
+
+def _follow_body(inf: _Inference, plan, closed, in_layouts, out_nd, in_body: bool) -> tuple[Program, bool]:
+    """An inlined body planned by a pass following its decisions (``_planner.BodyPlan``), with the
+    candidates and inlined calls of its reference pass; and whether every decision was followed."""
+    body = _Inference(inf.placement, None, plan.ref.cands_cache, strict=inf.strict, copies=plan.ref.copies)
+    body.fixed, body.hubs = plan.fixed, plan.hubs
+    token = _IN_BODY.set(in_body)
+    try:
+        prog = body.program(closed.jaxpr, closed.consts, in_layouts, out_nd)
+    finally:
+        _IN_BODY.reset(token)
+    return prog, len(body.followed) == len(plan.fixed)
+
+
 def _follow_loop(inf: _Inference, eqn, cur, plan):
     """A ``scan`` or ``while`` as the global planner decided it with its body inlined
     (``_planner.LoopPlan``): the body's constants, the carry and the scanned inputs converted
-    before the loop to the layouts chosen for them, the body planned following the body's
-    decisions (with the candidates and inlined calls of the body's reference pass), its carry
-    given back and its scanned outputs made in the layouts chosen. A ``while``'s condition reads
-    its constants as they are and the carry as chosen."""
+    before the loop to the layouts chosen for them, the body planned following its decisions,
+    its carry given back and its scanned outputs made in the layouts chosen. A ``while``'s
+    condition reads its constants as they are and the carry as chosen."""
     p = eqn.params
     scan = eqn.primitive.name == "scan"
     if scan:
@@ -1080,21 +1104,11 @@ def _follow_loop(inf: _Inference, eqn, cur, plan):
     else:
         first, nc, closed = p["cond_nconsts"], p["body_nconsts"], p["body_jaxpr"]
         nk = len(eqn.invars) - first - nc
-    boxings, lays = [], list(cur[:first])
-    for i, (v, nd) in enumerate(zip(eqn.invars[first:], [*plan.consts, *plan.carry, *plan.xs]), first):
-        want = inf.lay(nd, v.aval)
-        boxings += inf.box_operand(i, cur[i], want, v)
-        lays.append(want)
+    lays, boxings = _box_to(inf, eqn, cur, first, [*plan.consts, *plan.carry, *plan.xs])
     ins = lays[first:]
     x_slice = [inf.lay(_shift_split(l.nd_sbp, -1), bv.aval) for l, bv in zip(ins[nc + nk:], closed.jaxpr.invars[nc + nk:])]
-    body = _Inference(inf.placement, None, plan.body.cands_cache, strict=inf.strict, copies=plan.body.copies)
-    body.fixed, body.hubs = plan.fixed, plan.hubs
-    token = _IN_BODY.set(True)
-    try:
-        sub = body.program(closed.jaxpr, closed.consts, ins[: nc + nk] + x_slice, [*plan.carry, *plan.ys])
-    finally:
-        _IN_BODY.reset(token)
-    if len(body.followed) == len(plan.fixed):
+    sub, followed = _follow_body(inf, plan.body, closed, ins[: nc + nk] + x_slice, [*plan.carry, *plan.ys], True)
+    if followed:
         inf.followed.add(("loop", id(eqn)))
     carry = ins[nc: nc + nk]
     if not scan:
@@ -1145,24 +1159,17 @@ def _infer_cond(inf: _Inference, eqn, cur):
 
 def _follow_cond(inf: _Inference, eqn, cur, plan):
     """A ``cond`` as the global planner decided it with its branches inlined
-    (``_planner.CondPlan``): the operands converted before it to the layouts chosen for them,
-    each branch planned following its decisions (with the candidates and inlined calls of its
-    reference pass) and leaving its results in the layouts chosen."""
+    (``_planner.CondPlan``): the operands converted before it to the layouts chosen for them, each
+    branch planned following its decisions and leaving its results in the layouts chosen."""
     idx_want = inf.lay_b(eqn.invars[0].aval)
-    boxings = [] if (bx := inf.box(0, cur[0], idx_want, eqn.invars[0].aval)) is None else [bx]
-    lays = [idx_want]
-    for i, (v, nd) in enumerate(zip(eqn.invars[1:], plan.ops), 1):
-        want = inf.lay(nd, v.aval)
-        boxings += inf.box_operand(i, cur[i], want, v)
-        lays.append(want)
-    subs, followed = [], True
-    for closed, (fixed, hubs, ref) in zip(eqn.params["branches"], plan.branches):
-        branch = _Inference(inf.placement, None, ref.cands_cache, strict=inf.strict, copies=ref.copies)
-        branch.fixed, branch.hubs = fixed, hubs
-        subs.append(branch.program(closed.jaxpr, closed.consts, lays[1:], list(plan.results)))
-        followed = followed and len(branch.followed) == len(fixed)
-    if followed:
+    lays, boxings = _box_to(inf, eqn, [idx_want, *cur[1:]], 1, plan.ops)
+    if (bx := inf.box(0, cur[0], idx_want, eqn.invars[0].aval)) is not None:
+        boxings.insert(0, bx)
+    done = [_follow_body(inf, branch, closed, lays[1:], list(plan.results), False)
+            for closed, branch in zip(eqn.params["branches"], plan.branches)]
+    if all(followed for _, followed in done):
         inf.followed.add(("cond", id(eqn)))
+    subs = [sub for sub, _ in done]
     return Step(eqn, lays, list(subs[0].out_layouts), boxings, sub=subs, kind="cond")
 
 

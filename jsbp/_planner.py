@@ -339,30 +339,37 @@ class _Scope:
 
 
 @dataclasses.dataclass
+class BodyPlan:
+    """The decisions for one inlined body: the ``fixed`` and ``hubs`` maps of the pass that plans
+    it (``_compiler._follow_body``) and the body's reference pass (``ref``: its candidates and
+    inlined calls, which the decisions name)."""
+
+    fixed: dict
+    hubs: dict
+    ref: object
+
+
+@dataclasses.dataclass
 class LoopPlan:
     """The decisions for one inlined loop (``decisions``): the layouts its (body's) constants,
     carry and scanned inputs enter the loop in, the layouts of its scanned outputs' slices, and
-    its body's decisions (a ``fixed`` and ``hubs`` map for the pass that plans the body, and the
-    body's reference pass)."""
+    its body's ``BodyPlan``."""
 
     consts: list
     carry: list
     xs: list
     ys: list
-    fixed: dict
-    hubs: dict
-    body: object
+    body: BodyPlan
 
 
 @dataclasses.dataclass
 class CondPlan:
     """The decisions for one inlined ``cond``: the layouts its operands enter the branches in and
-    its results leave them in, and per branch its decisions as ``LoopPlan``'s ``fixed``, ``hubs``,
-    ``body``."""
+    its results leave them in, and a ``BodyPlan`` per branch."""
 
     ops: list
     results: list
-    branches: list  # [(fixed, hubs, body)]
+    branches: list
 
 
 def _layouts(aval, hier) -> list[tuple]:
@@ -572,10 +579,11 @@ def decisions(prob: Problem, choice: list[int]) -> tuple[dict, dict]:
         def pick(role, side):
             return [prob.nodes[u].cands[choice[u]][side][0] for u in sc.roles.get(role, ())]
 
-        bodies = [(fixed_of((sid, b), us), hubs_at.get((sid, b), {}), binf) for b, (binf, us) in enumerate(sc.bodies)]
+        bodies = [BodyPlan(fixed_of((sid, b), us), hubs_at.get((sid, b), {}), ref)
+                  for b, (ref, us) in enumerate(sc.bodies)]
         if sc.kind == "loop":
-            (body_fixed, hub, binf), = bodies
-            return LoopPlan(*[pick(r, 0) for r in ("const", "carry", "xs", "ys")], body_fixed, hub, binf)
+            (body,) = bodies
+            return LoopPlan(*[pick(r, 0) for r in ("const", "carry", "xs", "ys")], body)
         return CondPlan(pick("ops", 0), pick("results", 1), bodies)
 
     return fixed_of(None, [u for u, n in enumerate(prob.nodes) if n.scope is None]), hubs_at.get(None, {})
