@@ -2,6 +2,7 @@
 control flow, autodiff and errors."""
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -1143,3 +1144,10 @@ def test_batchnorm_under_data_parallelism_reduces_statistics_not_activations():
     for g, r in zip(jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor)),
                     jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g.numpy(), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+def test_draws_do_not_depend_on_test_order(request):
+    """``rand`` draws from a generator restarted for each test from its id (``conftest.py``):
+    a test's inputs are the same whichever tests ran before it in its worker."""
+    want = np.random.default_rng(zlib.crc32(request.node.nodeid.encode())).standard_normal((3, 2))
+    np.testing.assert_array_equal(rand(3, 2), want.astype(np.float32))
