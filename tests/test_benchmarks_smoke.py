@@ -117,3 +117,23 @@ def test_device_check_runs_and_compares_with_jax_jit():
     for label in ("jax.jit", "jsbp search", "jsbp global"):
         assert any(line.startswith(f"small: {label} ") and "ms/step" in line for line in out.splitlines()), label
     assert "all variants match jax.jit" in out
+
+
+@pytest.mark.slow
+def test_planner_starts_benchmark_one_program_prints_its_rows():
+    """benchmarks/planner_starts.py (the global planner from three starts) runs one 2-d program:
+    a row per start, and the per-axis start no dearer than the greedy one it adds to."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "planner_starts.py"), "--only", "tests hybrid_2x4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{res.stdout}\n{res.stderr[-4000:]}"
+    cost = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("| tests hybrid_2x4 |"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            cost[cells[1]] = float(cells[2])
+    assert set(cost) == {"search", "greedy", "greedy+axes"}, res.stdout
+    assert cost["greedy+axes"] <= cost["greedy"], cost
