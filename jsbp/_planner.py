@@ -1441,6 +1441,14 @@ model axis solved again after the data axis changed) never found a cheaper plan,
 one HiGHS solve (0.1-0.6 s at 24 blocks)."""
 
 
+def restrict(prob: Problem, keep: list[list[int]], values: dict | None = None) -> Problem:
+    """``prob`` with node ``u`` offered only its candidates ``keep[u]`` (a choice of the result maps
+    back through ``keep``); ``values``: other values (fixed layouts, targets) in place of ``prob``'s."""
+    nodes = [dataclasses.replace(n, cands=[n.cands[s] for s in ks], cost=n.cost[ks], kind=(n.kind, tuple(ks)))
+             for n, ks in zip(prob.nodes, keep)]  # (equal kinds: equal candidate lists, as in ``build``)
+    return Problem(prob.hierarchy, nodes, prob.values if values is None else values, prob._cost_cache)
+
+
 def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[int]:
     """Block coordinate descent over the placement's axes: in turn for each axis, the signature
     of every node *on that axis* is chosen exactly (``solve_ilp``), its signature on the other
@@ -1480,9 +1488,7 @@ def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[
             continue
         settled.add(axis)
         keep = [[s for s, h in enumerate(hs[axis]) if h == hs[axis][c]] for hs, c in zip(held, choice)]
-        nodes = [dataclasses.replace(n, cands=[n.cands[s] for s in ks], cost=n.cost[ks], kind=(n.kind, tuple(ks)))
-                 for n, ks in zip(prob.nodes, keep)]  # (equal kinds: equal candidate lists, as in ``build``)
-        sub = Problem(prob.hierarchy, nodes, prob.values, prob._cost_cache)
+        sub = restrict(prob, keep)
         if not _exact_fits(sub):
             continue
         got = solve_ilp(sub, quick=True)
