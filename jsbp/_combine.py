@@ -23,6 +23,16 @@ layout, on an op that only passes its operand on: a ``to_global`` annotation (ho
 pins gradient and parameter layouts), a ``transpose`` (a weight gradient, reduced before its
 transpose) or a ``reshape`` / ``squeeze`` (a bias gradient, reduced before it gets the
 parameter's shape). Those ops are replayed on the combined result.
+
+**Early groups.** A conversion read by an op that needs its result at once (an optimizer's
+``g * g`` reading a gradient's all-reduce: not a pass-on op, so nothing can wait) used to run
+alone, one collective per gradient. Such conversions of one kind now run as one collective at
+the first of them, taking in every later one whose value is already made there (a step's
+gradients all exist before its first update reads one); a value made after that read starts a
+new group. The emitter runs an early group at its first member's step (``Groups.early``) and
+hands the later members their results. Without it, where the planner happened to put a
+reduction decided how many collectives ran: the data-parallel GPT step planned without the
+lookahead passes reduced its 22 gradients at the update's ``integer_pow``, 22 collectives.
 """
 
 from __future__ import annotations
@@ -70,7 +80,10 @@ def _group_key(bx, v):
 
 
 def combine_collectives(prog) -> None:
-    """Assign ``Boxing.group`` ids on the top-level steps of ``prog`` (see the module doc)."""
+    """Assign ``Boxing.group`` ids on the top-level steps of ``prog`` and list its early groups in
+    ``prog.early`` (see the module doc). Idempotent: a second call makes the same groups."""
+    for bx in (*(bx for st in prog.steps for bx in st.boxings), *prog.out_boxings):
+        bx.group = None
     boxed_to = Counter()
     for st in prog.steps:
         for bx in st.boxings:
@@ -84,6 +97,7 @@ def combine_collectives(prog) -> None:
                 if not isinstance(v, jcore.Literal):
                     boxed_to[(v, None)] += 1
     deferred: dict = {}  # value whose boxing waits in an open group -> the group's id
+    ever_deferred: set = set()  # values that stood for a deferred boxing's result at some point
     open_groups: dict = {}  # key -> (group id, members, bytes)
     groups: list[list] = []
 
@@ -114,13 +128,16 @@ def combine_collectives(prog) -> None:
                 if key is not None:
                     gid = join(key, bx)
                     deferred.update(dict.fromkeys(st.eqn.outvars, gid))
+                    ever_deferred.update(st.eqn.outvars)
                     continue
             elif not st.boxings and not isinstance(v, jcore.Literal) and v in deferred:
                 deferred.update(dict.fromkeys(st.eqn.outvars, deferred[v]))
+                ever_deferred.update(st.eqn.outvars)
                 continue
         read = {deferred[v] for v in st.eqn.invars if not isinstance(v, jcore.Literal) and v in deferred}
         if read:
             close(read)
+    early = _early_groups(prog, boxed_to, ever_deferred, groups)
     # the outputs' conversions run after everything else (ZeRO-1/2's updated parameters gathered
     # back to B): nothing reads them in between, so each kind is one group per bucket
     seen: set = set()  # an output boxed twice (a repeated output var) runs where it is
@@ -132,12 +149,62 @@ def combine_collectives(prog) -> None:
             join(("out",) + key, bx)
         seen.add(bx.operand)
     gid = 0
-    for members in groups:
+    prog.early = {}
+    for n, members in enumerate(groups):
         if len(members) < 2:
             continue  # nothing to combine: runs where it is
         for bx in members:
             bx.group = gid
+        if n in early:
+            prog.early[gid] = early[n]
         gid += 1
+
+
+def _early_groups(prog, boxed_to, ever_deferred, groups) -> dict:
+    """Early groups (see the module doc), appended to ``groups``: index in ``groups`` -> the
+    members' (boxing, root, pass-on steps), in program order: the value a member converts is its
+    root passed through those steps (a weight gradient's transpose, replayed when the group runs
+    if it comes later), and the root is made before the group's first member."""
+    made_at = {v: i for i, st in enumerate(prog.steps) for v in st.eqn.outvars}
+
+    def root_of(v):
+        chain = []
+        while (i := made_at.get(v)) is not None:
+            st = prog.steps[i]
+            if st.boxings or not passes_on(st) or isinstance(st.eqn.invars[0], jcore.Literal):
+                break
+            chain.append(st)
+            v = st.eqn.invars[0]
+        return v, tuple(reversed(chain))
+    open_groups: dict = {}  # key -> (index in ``groups``, first member's step, bytes)
+    early: dict = {}
+    for i, st in enumerate(prog.steps):
+        if st.kind != "prim" or passes_on(st) or len(st.boxings) != 1:
+            continue
+        (bx,) = st.boxings
+        v = st.eqn.invars[bx.operand]
+        if bx.via or isinstance(v, jcore.Literal) or v in ever_deferred:
+            continue
+        if boxed_to[(v, None)]:
+            continue  # a nested program may convert the value too
+        # (later readers of the value in that layout reuse this conversion: ``bx.reused`` there)
+        key = _group_key(bx, v)
+        if key is None:
+            continue
+        size = math.prod(bx.src.local_shape) * key[-1].itemsize
+        root, chain = root_of(v)
+        if root in ever_deferred:
+            continue
+        hit = open_groups.get(key)
+        if hit is None or made_at.get(root, -1) >= hit[1] or hit[2] + size > COMBINE_BUCKET_BYTES:
+            groups.append([])
+            early[len(groups) - 1] = []
+            hit = (len(groups) - 1, i, 0)
+        n, first, nbytes = hit
+        groups[n].append(bx)
+        early[n].append((bx, root, chain))
+        open_groups[key] = (n, first, nbytes + size)
+    return early
 
 
 def is_deferred(x) -> bool:
@@ -171,6 +238,13 @@ class Groups:
         members = self.members.setdefault(bx.group, [])
         members.append((bx, x))
         return _Deferred(bx.group, len(members) - 1)
+
+    def early(self, bx, members: list):
+        """``bx``'s result in its early group, whose ``members`` ((boxing, value) each, in the
+        group's order; values may stand for a deferred boxing's result) run at the first call."""
+        if bx.group not in self.results:
+            self.results[bx.group] = self._run([(m, self.resolve(x)) for m, x in members])
+        return self.results[bx.group][next(i for i, (m, _) in enumerate(members) if m is bx)]
 
     def resolve(self, x):
         if not isinstance(x, _Deferred):

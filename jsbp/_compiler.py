@@ -94,6 +94,9 @@ class Program:
     out_boxings: list[Boxing]  # boxing of outputs to requested layouts (may be empty)
     # value -> the layout its readers are served from (``_Inference.hubs``: the global planner's)
     hubs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # combined collective id -> its members (boxing, root value, pass-on steps from it) when it runs
+    # at its first member's step, before the others' (``_combine``: early groups)
+    early: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def _itemsize(aval) -> int:
@@ -495,17 +498,6 @@ class _Inference:
             return c_tot, n_tot, ex
 
         naxes = self.placement.ndim
-
-        def tie_break(ins, outs):
-            n_partial_out = sum(x.is_partial for nd in outs for x in nd)
-            # splits created out of nothing (an axis where no input is split) only move work to the
-            # consumers, which slice B for free anyway: prefer keeping B
-            n_new_split = sum(
-                1 for a in range(naxes)
-                if any(nd[a].is_split for nd in outs) and not any(nd[a].is_split for nd in ins)
-            )
-            return n_partial_out, n_new_split
-
         in_tabs = [{} for _ in ops]
         out_tabs = [{} for _ in wanted]
         best = None
@@ -534,8 +526,8 @@ class _Inference:
                 best = [key, ins, outs, None]
             elif key == best[0]:  # the tie-breakers, only for ties
                 if best[3] is None:
-                    best[3] = tie_break(best[1], best[2])
-                tb = tie_break(ins, outs)
+                    best[3] = _tie_break(best[1], best[2], naxes)
+                tb = _tie_break(ins, outs, naxes)
                 if tb < best[3]:
                     best = [key, ins, outs, tb]
         return best[1], best[2]
@@ -659,6 +651,18 @@ class _Inference:
 # -------------------------------------------------------------------------------------------
 # higher-order primitives
 # -------------------------------------------------------------------------------------------
+
+
+def _tie_break(ins, outs, naxes) -> tuple[int, int]:
+    """How ``choose`` ranks candidates of equal cost (lower first): fewer partial outputs, then
+    fewer splits created out of nothing (an axis where no input is split: that only moves work to
+    the consumers, which slice B for free anyway)."""
+    n_partial_out = sum(x.is_partial for nd in outs for x in nd)
+    n_new_split = sum(
+        1 for a in range(naxes)
+        if any(nd[a].is_split for nd in outs) and not any(nd[a].is_split for nd in ins)
+    )
+    return n_partial_out, n_new_split
 
 
 def _asked_by_another(want, v, nd, eqn) -> bool:
@@ -1324,7 +1328,11 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
         if any(bx.group is not None for bx in boxings):  # a member of a combined collective
             groups = groups or Groups(prog.in_layouts[0].placement)
             (bx,) = boxings
-            ins[bx.operand] = groups.defer(bx, ins[bx.operand])
+            if bx.group in prog.early:  # runs now with every member, if it has not yet
+                ins[bx.operand] = groups.early(bx, [(m, _replay(chain, read(u))) for m, u, chain in prog.early[bx.group]])
+                cache[(keys[bx.operand], bx.dst.nd_sbp)] = ins[bx.operand]  # for later readers' reuse
+            else:
+                ins[bx.operand] = groups.defer(bx, ins[bx.operand])
             boxings = ()
         if groups is not None:
             if not boxings and any(is_deferred(x) for x in ins) and passes_on(st):
@@ -1359,6 +1367,14 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
         outs = [groups.resolve(x) for x in outs]
     # (a repeated output converted to one layout twice: the second reuses the first)
     return _apply_boxings(outs, boxings, [v if isinstance(v, jcore.Literal) else key(v) for v in prog.jaxpr.outvars], {})
+
+
+def _replay(steps, x):
+    """``x`` through pass-on steps (``_combine.passes_on``: a transpose, a reshape, an annotation
+    without boxing), as the program runs them later (an early group's member made after its run)."""
+    for st in steps:
+        x = _EMIT[st.kind](st, [x])[0]
+    return x
 
 
 def _emit_prim(st: Step, ins):
@@ -1718,7 +1734,8 @@ def _copy_program(prog: Program) -> Program:
         return x
 
     steps = [dataclasses.replace(st, boxings=boxings(st.boxings), sub=sub(st.sub)) for st in prog.steps]
-    return dataclasses.replace(prog, steps=steps, out_boxings=boxings(prog.out_boxings))
+    # (its early groups name the copied boxings once ``combine_collectives`` runs on it)
+    return dataclasses.replace(prog, steps=steps, out_boxings=boxings(prog.out_boxings), early={})
 
 
 class _OverBudget(Exception):

@@ -835,6 +835,48 @@ def test_reading_one_combined_collective_leaves_the_others_open():
     assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 1, "reduce-scatter": 2}, str(plan)
 
 
+def test_partial_sums_read_whole_run_combined_at_the_first_read(monkeypatch):
+    """Gradients reduced where an op reads them whole (an optimizer's ``g * g``, not a pass-on op
+    where a reduction can wait): the conversions of values made before the first such read run
+    there as one collective (an early group); one made after it (here from what that read
+    computed) runs on its own. Values as NumPy's; without early groups each runs alone (the
+    data-parallel GPT step planned without lookahead passes: 22 all-reduces, one combined)."""
+    (g1, r1), (g2, r2), (g3, r3) = (_addends(s, P4, np.float32) for s in [(8, 4), (4,), (8, 8)])
+    xv = RNG.standard_normal((8, 4)).astype(np.float32)
+    x = jsbp.tensor(xv, placement=P4, sbp="S(0)")
+
+    def f(g1, g2, g3, x):
+        s = (x * 2.0).sum(0)  # made before the first read: joins its group
+        out = [jnp.tanh(g1), jnp.tanh(g2)]
+        out.append(jnp.tanh(g3.T))  # a transpose made after the first read: replayed there
+        out.append(jnp.tanh(s))
+        late = (x * out[0].sum()).sum(0)  # made after the first read, from it: runs alone
+        return (*out, jnp.tanh(late), jnp.cos(g1))  # cos reads g1's conversion again
+
+    args = (g1, g2, g3, x)
+    got = jsbp.jit(f)(*args)
+    refs = [np.tanh(r) for r in (r1, r2, r3.T, (xv * 2).sum(0))]
+    refs += [np.tanh((xv * refs[0].sum()).sum(0)), np.cos(r1)]
+    for o, ref in zip(got, refs):
+        np.testing.assert_allclose(o.numpy(), ref, rtol=1e-5, atol=1e-5)
+    plan = jsbp.explain(f, *args)
+    counts = jsbp.debug.count_collectives(jsbp.jit(f), *args)
+    # the four read first: one reduce-scatter; ``out[0].sum()`` all-reduced; the late one alone
+    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "reduce-scatter": 2, "all-reduce": 1}, \
+        str(plan)
+    assert [b.combined is not None for b in plan.boxings()] == [True] * 4 + [False] * 3, str(plan)
+    assert [b.reused for b in plan.boxings()] == [False] * 6 + [True], str(plan)  # cos: g1's again
+    lines = str(plan).splitlines()
+    first = next(i for i, line in enumerate(lines) if "combined #0" in line)
+    assert any(line.startswith("transpose") for line in lines[first:]), str(plan)  # after the first read
+
+    from jsbp import _combine
+
+    monkeypatch.setattr(_combine, "_early_groups", lambda *a: {})
+    alone = jsbp.debug.count_collectives(jsbp.jit(f), *args)
+    assert alone == {**dict.fromkeys(alone, 0), "reduce-scatter": 5, "all-reduce": 1}, alone
+
+
 def test_megatron_weights_stay_put_without_hints():
     """Megatron layouts on the weights, nothing inside the step: jsbp boxes the activations around
     the weights (column- then row-parallel) instead of gathering weights per matmul, which looks
