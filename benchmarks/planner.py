@@ -179,6 +179,21 @@ def set_planner(name: str) -> None:
         os.environ.pop("JSBP_PLANNER", None)
 
 
+def compute_cost(prog, times: float = 1.0) -> float:
+    """The global planner's compute charge of ``prog`` (``_planner._work``: one byte per flop a
+    device does; a loop body's once per iteration, a ``while``'s ``WHILE_TRIPS`` times)."""
+    total = 0.0
+    for st in prog.steps:
+        if st.kind == "prim":
+            lays = (*st.in_layouts, *st.out_layouts)
+            sig = (tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts))
+            total += times * float(_planner._work(st.eqn, [sig], lays[0].placement.hierarchy)[0])
+        trips = st.eqn.params["length"] if st.kind == "scan" else _compiler.WHILE_TRIPS if st.kind == "while" else 1
+        for sub in _compiler.subprograms(st):
+            total += compute_cost(sub, times * trips)
+    return total
+
+
 def measure(make) -> dict:
     """Per planner: program cost, collectives of the compiled program, planning seconds."""
     row = {}
@@ -189,6 +204,10 @@ def measure(make) -> dict:
             coll = count_collectives(factory(), *args)
         row[planner] = {
             "cost": sum(_compiler.program_cost(c[2]) for c in cap.calls),
+            # as it runs: combined collectives once, a loop body's boxings once per iteration;
+            # and the planner's compute charge of the plan (the rest of its objective)
+            "combined": sum(_planner.combined_cost(c[2], loops=True) for c in cap.calls),
+            "compute": sum(compute_cost(c[2]) for c in cap.calls),
             "collectives": sum(coll.values()),
             "by_kind": {k: v for k, v in coll.items() if v},
             "plan_s": sum(c[3] for c in cap.calls),

@@ -137,3 +137,26 @@ def test_planner_starts_benchmark_one_program_prints_its_rows():
             cost[cells[1]] = float(cells[2])
     assert set(cost) == {"search", "greedy", "greedy+axes"}, res.stdout
     assert cost["greedy+axes"] <= cost["greedy"], cost
+
+
+def test_planner_ablation_benchmark_switches_a_heuristic_off():
+    """benchmarks/planner_ablation.py (issue 20: which search heuristics the global planner can do
+    without) plans one program with every heuristic on and with the tie-breakers off: a row per
+    planner, and the switch takes effect (the search's plan of the test suite's TP step is dearer
+    without them; measured 13.65 -> 25.19 MB-eq)."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "planner_ablation.py"), "--only", "tests tp",
+         "--heuristics", "tie-breakers"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{res.stdout}\n{res.stderr[-4000:]}"
+    rows = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("| tie-breakers | search |") or line.startswith("| tie-breakers | global |"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[1]] = [tuple(int(x) for x in c.split(" / ")) for c in cells[2:]]
+    assert set(rows) == {"search", "global"}, res.stdout
+    assert all(len(r) == 3 for r in rows.values()), rows
+    assert rows["search"][0] == (1, 0), rows  # by program_cost: dearer, not cheaper
