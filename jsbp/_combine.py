@@ -176,6 +176,7 @@ def _early_groups(prog, boxed_to, ever_deferred, groups) -> dict:
             chain.append(st)
             v = st.eqn.invars[0]
         return v, tuple(reversed(chain))
+
     open_groups: dict = {}  # key -> (index in ``groups``, first member's step, bytes)
     early: dict = {}
     for i, st in enumerate(prog.steps):
@@ -239,12 +240,12 @@ class Groups:
         members.append((bx, x))
         return _Deferred(bx.group, len(members) - 1)
 
-    def early(self, bx, members: list):
-        """``bx``'s result in its early group, whose ``members`` ((boxing, value) each, in the
-        group's order; values may stand for a deferred boxing's result) run at the first call."""
+    def early(self, bx, members: list, values):
+        """``bx``'s result in its early group (``Program.early``: ``members``, in the group's
+        order), which runs at the first call on the members' ``values()``."""
         if bx.group not in self.results:
-            self.results[bx.group] = self._run([(m, self.resolve(x)) for m, x in members])
-        return self.results[bx.group][next(i for i, (m, _) in enumerate(members) if m is bx)]
+            self.results[bx.group] = self._run([(m[0], x) for m, x in zip(members, values())])
+        return self.results[bx.group][next(i for i, m in enumerate(members) if m[0] is bx)]
 
     def resolve(self, x):
         if not isinstance(x, _Deferred):

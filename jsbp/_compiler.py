@@ -1329,7 +1329,8 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
             groups = groups or Groups(prog.in_layouts[0].placement)
             (bx,) = boxings
             if bx.group in prog.early:  # runs now with every member, if it has not yet
-                ins[bx.operand] = groups.early(bx, [(m, _replay(chain, read(u))) for m, u, chain in prog.early[bx.group]])
+                members = prog.early[bx.group]
+                ins[bx.operand] = groups.early(bx, members, lambda: [_replay(chain, read(u)) for _, u, chain in members])
                 cache[(keys[bx.operand], bx.dst.nd_sbp)] = ins[bx.operand]  # for later readers' reuse
             else:
                 ins[bx.operand] = groups.defer(bx, ins[bx.operand])
