@@ -1330,7 +1330,7 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
             (bx,) = boxings
             if bx.group in prog.early:  # runs now with every member, if it has not yet
                 members = prog.early[bx.group]
-                ins[bx.operand] = groups.early(bx, members, lambda: [_replay(chain, read(u)) for _, u, chain in members])
+                ins[bx.operand] = groups.early(bx, members, lambda members=members: [_replay(chain, read(u)) for _, u, chain in members])
                 cache[(keys[bx.operand], bx.dst.nd_sbp)] = ins[bx.operand]  # for later readers' reuse
             else:
                 ins[bx.operand] = groups.defer(bx, ins[bx.operand])
