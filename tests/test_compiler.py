@@ -835,15 +835,26 @@ def test_reading_one_combined_collective_leaves_the_others_open():
     assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 1, "reduce-scatter": 2}, str(plan)
 
 
-def test_partial_sums_read_whole_run_combined_at_the_first_read(monkeypatch):
+_EARLY_CASES = {  # placement: (x's sbp, collectives, which boxings are combined, without early groups)
+    "4": (P4, "S(0)", {"reduce-scatter": 2, "all-reduce": 1}, [True] * 4 + [False] * 3,
+          {"reduce-scatter": 5, "all-reduce": 1}),
+    # (on 8 devices g2's 4 elements split unevenly: not combined)
+    "2x4": (R24, ("S(0)", "B"), {"reduce-scatter": 3, "all-reduce": 2}, [True, False, True] + [False] * 4,
+            {"reduce-scatter": 4, "all-reduce": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(_EARLY_CASES))
+def test_partial_sums_read_whole_run_combined_at_the_first_read(case, monkeypatch):
     """Gradients reduced where an op reads them whole (an optimizer's ``g * g``, not a pass-on op
     where a reduction can wait): the conversions of values made before the first such read run
     there as one collective (an early group); one made after it (here from what that read
     computed) runs on its own. Values as NumPy's; without early groups each runs alone (the
-    data-parallel GPT step planned without lookahead passes: 22 all-reduces, one combined)."""
-    (g1, r1), (g2, r2), (g3, r3) = (_addends(s, P4, np.float32) for s in [(8, 4), (4,), (8, 8)])
+    data-parallel GPT step planned without lookahead passes: 22 all-reduces, 2 collectives with)."""
+    plc, x_sbp, want, combined, want_alone = _EARLY_CASES[case]
+    (g1, r1), (g2, r2), (g3, r3) = (_addends(s, plc, np.float32) for s in [(8, 4), (4,), (8, 8)])
     xv = RNG.standard_normal((8, 4)).astype(np.float32)
-    x = jsbp.tensor(xv, placement=P4, sbp="S(0)")
+    x = jsbp.tensor(xv, placement=plc, sbp=x_sbp)
 
     def f(g1, g2, g3, x):
         s = (x * 2.0).sum(0)  # made before the first read: joins its group
@@ -861,10 +872,9 @@ def test_partial_sums_read_whole_run_combined_at_the_first_read(monkeypatch):
         np.testing.assert_allclose(o.numpy(), ref, rtol=1e-5, atol=1e-5)
     plan = jsbp.explain(f, *args)
     counts = jsbp.debug.count_collectives(jsbp.jit(f), *args)
-    # the four read first: one reduce-scatter; ``out[0].sum()`` all-reduced; the late one alone
-    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "reduce-scatter": 2, "all-reduce": 1}, \
-        str(plan)
-    assert [b.combined is not None for b in plan.boxings()] == [True] * 4 + [False] * 3, str(plan)
+    # 1-d: the four read first, one reduce-scatter; ``out[0].sum()`` all-reduced; the late one alone
+    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), **want}, str(plan)
+    assert [b.combined is not None for b in plan.boxings()] == combined, str(plan)
     assert [b.reused for b in plan.boxings()] == [False] * 6 + [True], str(plan)  # cos: g1's again
     lines = str(plan).splitlines()
     first = next(i for i, line in enumerate(lines) if "combined #0" in line)
@@ -874,7 +884,7 @@ def test_partial_sums_read_whole_run_combined_at_the_first_read(monkeypatch):
 
     monkeypatch.setattr(_combine, "_early_groups", lambda *a: {})
     alone = jsbp.debug.count_collectives(jsbp.jit(f), *args)
-    assert alone == {**dict.fromkeys(alone, 0), "reduce-scatter": 5, "all-reduce": 1}, alone
+    assert alone == {**dict.fromkeys(alone, 0), **want_alone}, alone
 
 
 def test_megatron_weights_stay_put_without_hints():
