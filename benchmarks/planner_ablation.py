@@ -62,7 +62,7 @@ TOL = 1e4  # bytes: differences below this are the same plan costed in another o
 def switched_off(name):
     saved = {}
     try:
-        for attr, value in HEURISTICS[name][1].items() if name else ():
+        for attr, value in HEURISTICS[name][1].items():
             saved[attr] = getattr(_compiler, attr)
             setattr(_compiler, attr, value)
         yield
