@@ -21,8 +21,10 @@ A boxing joins a group when it is a single even all-reduce (of a partial sum: pa
 travel as order keys), reduce-scatter or all-gather of a value with no other conversion to that
 layout, on an op that only passes its operand on: a ``to_global`` annotation (how ``jsbp.flax``
 pins gradient and parameter layouts), a ``transpose`` (a weight gradient, reduced before its
-transpose) or a ``reshape`` / ``squeeze`` (a bias gradient, reduced before it gets the
-parameter's shape). Those ops are replayed on the combined result.
+transpose), a ``reshape`` / ``squeeze`` (a bias gradient, reduced before it gets the
+parameter's shape) or a reduction over size-1 dims only (a scale gradient's ``(1, 1, d)`` summed
+back to ``(d,)``: it used to close the open group at every layer, the zoo's decoder LM under
+dp2 x tp4 ran 21 compiled all-reduces, now 13). Those ops are replayed on the combined result.
 
 **Early groups.** A conversion read by an op that needs its result at once (an optimizer's
 ``g * g`` reading a gradient's all-reduce: not a pass-on op, so nothing can wait) used to run
@@ -59,11 +61,22 @@ _PASS_ON = frozenset({"transpose", "reshape", "squeeze"})
 transpose; a bias gradient reduced before the reshape that gives it the parameter's shape)."""
 
 
+_SIZE_ONE_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or"})
+"""Reductions that, over dims of size 1 only, drop those dims and change no element (a bias
+gradient's ``(1, 1, d)`` summed back to ``(d,)``)."""
+
+
 def passes_on(st) -> bool:
     """An op that only hands its single operand on (replayable on a deferred value)."""
-    if len(st.eqn.invars) != 1:
+    if len(st.eqn.invars) != 1 or st.kind not in ("annotate", "prim"):
         return False
-    return st.kind == "annotate" or (st.kind == "prim" and st.eqn.primitive.name in _PASS_ON)
+    name = st.kind == "prim" and st.eqn.primitive.name
+    if st.kind == "annotate" or name in _PASS_ON:
+        return True
+    if name in _SIZE_ONE_REDUCTIONS:
+        shape = st.eqn.invars[0].aval.shape
+        return all(shape[d] == 1 for d in st.eqn.params["axes"])
+    return False
 
 
 def _group_key(bx, v):

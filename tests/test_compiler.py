@@ -887,6 +887,39 @@ def test_partial_sums_read_whole_run_combined_at_the_first_read(case, monkeypatc
     assert alone == {**dict.fromkeys(alone, 0), **want_alone}, alone
 
 
+@pytest.mark.parametrize("plc", [P4, R24], ids=["4", "2x4"])
+def test_a_reduction_over_size_one_dims_does_not_cut_a_combined_collective(plc, monkeypatch):
+    """A bias gradient goes back to its shape through ``(1, 1, d)`` summed over the size-1 dims (the
+    transpose of its broadcast). That sum changes no element: like a reshape it passes a deferred
+    reduction on, so the three reductions below stay one combined all-reduce (the zoo's decoder LM
+    under dp=8, planned without the search's tie-breakers: 10 compiled all-reduces, now 1).
+    Values as NumPy's; without it each reduction runs alone at its sum."""
+    gs = [_addends((8,), plc, np.float32) for _ in range(3)]
+
+    def f(g1, g2, g3):
+        outs = []
+        for g, red in zip((g1, g2, g3), (jnp.sum, jnp.sum, jnp.max)):
+            whole = jsbp.to_global(g, sbp=("B",) * plc.ndim)
+            outs.append(red(whole.reshape(1, 1, 8), axis=(0, 1)))
+        return [jnp.tanh(o) for o in outs]
+
+    args = [g for g, _ in gs]
+    got = jsbp.jit(f)(*args)
+    for o, (_, ref) in zip(got, gs):
+        np.testing.assert_allclose(o.numpy(), np.tanh(ref), rtol=1e-5, atol=1e-5)
+    plan = jsbp.explain(f, *args)
+    counts = jsbp.debug.count_collectives(jsbp.jit(f), *args)
+    want = {**dict.fromkeys(counts, 0), "all-reduce": 1}
+    assert counts == plan.collectives() == want, str(plan)
+    assert all(b.combined is not None for b in plan.boxings()), str(plan)
+
+    from jsbp import _combine
+
+    monkeypatch.setattr(_combine, "_SIZE_ONE_REDUCTIONS", frozenset())
+    alone = jsbp.debug.count_collectives(jsbp.jit(f), *args)
+    assert alone == {**want, "all-reduce": 3}, alone
+
+
 def test_megatron_weights_stay_put_without_hints():
     """Megatron layouts on the weights, nothing inside the step: jsbp boxes the activations around
     the weights (column- then row-parallel) instead of gathering weights per matmul, which looks

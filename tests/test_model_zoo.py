@@ -169,14 +169,16 @@ def test_decoder_lm_gradients_combined_and_values_match(layout):
     and 4 all-reduces instead of 1 and 1). The search now breaks such ties by the cost as the
     program runs (``_compiler._tie_rank``). Under dp2 x tp4 the activation all-reduces read
     between the gradients' used to close the gradient group at every read: 28 compiled
-    all-reduces, now 21 (a read runs only its own group, ``jsbp._combine``). Losses and RNG
-    counters match one device."""
+    all-reduces, then 21 (a read runs only its own group, ``jsbp._combine``), now 13: RMSNorm's
+    scale gradient comes back to ``(d,)`` by a sum over the size-1 dims of ``(1, 1, d)``, which
+    used to close the open group at every layer and now passes it on as a reshape does. Losses
+    and RNG counters match one device."""
     counts, n_grads, _ = _step_collectives("decoder_lm", layout)
     assert n_grads >= 20, n_grads
     if layout == "dp8":
         assert counts["all-reduce"] == 1 and sum(counts.values()) == 1, counts
     elif layout == "dp2tp4":
-        assert counts["all-reduce"] <= 21 and sum(counts.values()) <= 22, counts
+        assert counts["all-reduce"] <= 13 and sum(counts.values()) <= 14, counts
     else:
         assert counts["reduce-scatter"] <= 1 and counts["all-reduce"] <= 1, counts
     mod = load("decoder_lm")
