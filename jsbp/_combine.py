@@ -7,40 +7,36 @@ microseconds on GPUs), and XLA does not combine them on every backend: XLA:CPU c
 the reduce-scatters and all-gathers, and puts all-reduces in one tuple all-reduce that still runs
 one reduction per operand (20 small psums: 6.6 ms as XLA's tuple all-reduce, 3.8 ms as one
 all-reduce of their concatenation, on 8 simulated devices). jsbp batches them like PyTorch DDP's gradient
-buckets: boxings of the same kind, axes and dtype whose results nothing reads yet are deferred
-and run as one collective over the concatenated blocks, when the first of their results is read
-(or the bucket is full). A read runs the group it reads from and no other: the activation
-all-reduces of a Megatron x data step, each read at once, no longer cut its gradients' group into
-pieces (the zoo's decoder LM under dp2 x tp4: 28 compiled all-reduces -> 21, the ViT's 13 -> 9).
+buckets: boxings of the same kind, axes and dtype are deferred and run as one collective over the
+concatenated blocks when the first of their results is *needed* (or the bucket is full).
 
-The grouping is decided on the ``Program`` (``combine_collectives``), so ``jsbp.explain`` shows
-it and counts each combined collective once, as the compiled program has it; the emitter
-(``Groups``) only follows it.
+**Pending values.** The emitter (``_compiler.run_program``) traces the program into ``shard_map``
+in program order, but nothing obliges it to trace an op where it stands: XLA orders the compiled
+program by its data. So a member's result is a *pending* value, and so is whatever an op that can
+wait (``lazy_ok``: any op or annotation, a call whose program converts nothing; not a loop, a
+branch or an op with effects) makes from pending values: those ops are traced when their result
+is needed. A result is needed where a conversion that is not a member reads it, where a step that
+cannot wait reads it, and at the program's end. A group therefore takes every conversion of its
+kind made before one of its results is needed, wherever the planner put them: an optimizer's
+``g * g`` reading an all-reduced gradient waits with it, so the gradients' all-reduces run as one
+collective whether each is reduced at its ``to_global`` annotation, its transpose or its update
+(the data-parallel GPT step planned without the search's lookahead passes reduced its 22
+gradients at the update's ``integer_pow``: 22 collectives, now 2). A need runs the groups the
+value waits for and no other: the activation all-reduces of a Megatron x data step, each needed at
+once, do not cut its gradients' group into pieces (the zoo's decoder LM under dp2 x tp4: 28
+compiled all-reduces -> 21 -> 13).
 
-A boxing joins a group when it is a single even all-reduce (of a partial sum: partial extrema
-travel as order keys), reduce-scatter or all-gather of a value with no other conversion to that
-layout, on an op that only passes its operand on: a ``to_global`` annotation (how ``jsbp.flax``
-pins gradient and parameter layouts), a ``transpose`` (a weight gradient, reduced before its
-transpose), a ``reshape`` / ``squeeze`` (a bias gradient, reduced before it gets the
-parameter's shape) or a reduction over size-1 dims only (a scale gradient's ``(1, 1, d)`` summed
-back to ``(d,)``: it used to close the open group at every layer, the zoo's decoder LM under
-dp2 x tp4 ran 21 compiled all-reduces, now 13). Those ops are replayed on the combined result.
-
-**Early groups.** A conversion read by an op that needs its result at once (an optimizer's
-``g * g`` reading a gradient's all-reduce: not a pass-on op, so nothing can wait) used to run
-alone, one collective per gradient. Such conversions of one kind now run as one collective at
-the first of them, taking in every later one whose value is already made there (a step's
-gradients all exist before its first update reads one); a value made after that read starts a
-new group. The emitter runs an early group at its first member's step (``Groups.early``) and
-hands the later members their results. Without it, where the planner happened to put a
-reduction decided how many collectives ran: the data-parallel GPT step planned without the
-lookahead passes reduced its 22 gradients at the update's ``integer_pow``, 22 collectives.
+The grouping is decided on the ``Program`` (``combine_collectives``, which follows the emitter's
+rule step by step), so ``jsbp.explain`` shows it and counts each combined collective once, as the
+compiled program has it; the emitter (``Groups``) only follows it. A boxing joins a group when it
+is a single even all-reduce (of a partial sum: partial extrema travel as order keys),
+reduce-scatter or all-gather of a value no nested program reads and no later conversion starts
+from (``via``), on a step that can wait.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from typing import Any
 
 import jax.numpy as jnp
@@ -56,31 +52,23 @@ COMBINE_BUCKET_BYTES = 32 << 20
 _KINDS = ("reduce-scatter", "all-gather", "all-reduce")
 
 
-_PASS_ON = frozenset({"transpose", "reshape", "squeeze"})
-"""Primitives that only rearrange their operand's elements (a weight gradient reduced before its
-transpose; a bias gradient reduced before the reshape that gives it the parameter's shape)."""
-
-
-_SIZE_ONE_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or"})
-"""Reductions that, over dims of size 1 only, drop those dims and change no element (a bias
-gradient's ``(1, 1, d)`` summed back to ``(d,)``)."""
-
-
-def passes_on(st) -> bool:
-    """An op that only hands its single operand on (replayable on a deferred value)."""
-    if len(st.eqn.invars) != 1 or st.kind not in ("annotate", "prim"):
+def lazy_ok(st) -> bool:
+    """Whether the emitter may run ``st`` later than its place in the program (when a value it
+    makes is needed): an op, an annotation, or a call whose program converts nothing, without
+    effects. The others (loops, branches, calls that convert) need their operands there."""
+    if st.eqn.effects:
         return False
-    name = st.kind == "prim" and st.eqn.primitive.name
-    if st.kind == "annotate" or name in _PASS_ON:
+    if st.kind in ("prim", "annotate"):
         return True
-    if name in _SIZE_ONE_REDUCTIONS:
-        shape = st.eqn.invars[0].aval.shape
-        return all(shape[d] == 1 for d in st.eqn.params["axes"])
-    return False
+    if st.kind != "call" or st.sub.out_boxings:
+        return False
+    from ._compiler import iter_steps
+
+    return all(not s.boxings and s.kind in ("prim", "annotate", "call") for _, s in iter_steps(st.sub))
 
 
 def _group_key(bx, v):
-    if bx.reused or len(bx.moves) != 1 or isinstance(v, jcore.Literal):
+    if bx.reused or bx.via or len(bx.moves) != 1 or isinstance(v, jcore.Literal):
         return None
     mv = bx.moves[0]
     if mv.collective not in _KINDS or not (bx.src.is_even and bx.dst.is_even):
@@ -93,64 +81,78 @@ def _group_key(bx, v):
 
 
 def combine_collectives(prog) -> None:
-    """Assign ``Boxing.group`` ids on the top-level steps of ``prog`` and list its early groups in
-    ``prog.early`` (see the module doc). Idempotent: a second call makes the same groups."""
+    """Assign ``Boxing.group`` ids on the top-level steps of ``prog`` (see the module doc).
+    Idempotent: a second call makes the same groups.
+
+    Mirrors the emitter (``_compiler.run_program``): a member's result, and whatever ``lazy_ok``
+    steps make from it, is *pending*; a pending value read where it is needed (converted by a
+    boxing that is not a member, read by a step that must run in place) closes the open groups it
+    waits for, so no group takes a member after one of its results was needed."""
     for bx in (*(bx for st in prog.steps for bx in st.boxings), *prog.out_boxings):
         bx.group = None
-    boxed_to = Counter()
+    via_read, nested_read = set(), set()
     for st in prog.steps:
         for bx in st.boxings:
             v = st.eqn.invars[bx.operand]
-            if not isinstance(v, jcore.Literal):
-                boxed_to[(v, bx.dst.nd_sbp)] += 1
-                if bx.via:  # reads the earlier conversion to ``src``: that one must run in place
-                    boxed_to[(v, bx.src.nd_sbp)] += 1
-        if st.sub is not None:  # a nested program may box the same value (and reuse the boxing)
-            for v in st.eqn.invars:
-                if not isinstance(v, jcore.Literal):
-                    boxed_to[(v, None)] += 1
-    deferred: dict = {}  # value whose boxing waits in an open group -> the group's id
-    ever_deferred: set = set()  # values that stood for a deferred boxing's result at some point
-    open_groups: dict = {}  # key -> (group id, members, bytes)
+            if bx.via and not isinstance(v, jcore.Literal):
+                via_read.add((v, bx.src.nd_sbp))  # read in place by a later conversion
+        if st.sub is not None:  # a nested program may convert the value too (and reuse it)
+            nested_read.update(v for v in st.eqn.invars if not isinstance(v, jcore.Literal))
+    open_groups: dict = {}  # key -> (group index, members, bytes)
+    open_ids: set = set()
+    waits: dict = {}  # pending value -> the open groups it waits for
+    made_by: dict = {}  # (value, layout) converted by a member -> its group
     groups: list[list] = []
 
-    def close(gids):  # the groups whose results a step reads: they run there
-        for key in [key for key, hit in open_groups.items() if hit[0] in gids]:
-            del open_groups[key]
-        for v in [v for v, g in deferred.items() if g in gids]:
-            del deferred[v]
+    def close(gids):
+        gids = gids & open_ids
+        if gids:
+            open_ids.difference_update(gids)
+            for key in [key for key, hit in open_groups.items() if hit[0] in gids]:
+                del open_groups[key]
 
     def join(key, bx):  # into the open group of ``key``, or a new one when it is full
         size = math.prod(bx.src.local_shape) * key[-1].itemsize
         hit = open_groups.get(key)
         if hit is None or hit[2] + size > COMBINE_BUCKET_BYTES:
+            if hit is not None:
+                open_ids.discard(hit[0])
             groups.append([])
             hit = (len(groups) - 1, groups[-1], 0)
+            open_ids.add(hit[0])
         gid, members, nbytes = hit
         members.append(bx)
         open_groups[key] = (gid, members, nbytes + size)
         return gid
 
+    def waits_of(v):
+        return set() if isinstance(v, jcore.Literal) else waits.get(v, set()) & open_ids
+
     for st in prog.steps:
-        if passes_on(st):
-            (v,) = st.eqn.invars
-            if len(st.boxings) == 1 and not isinstance(v, jcore.Literal) and v not in deferred:
-                (bx,) = st.boxings
-                alone = boxed_to[(v, bx.dst.nd_sbp)] == 1 and not boxed_to[(v, None)]
-                key = _group_key(bx, v) if alone else None
-                if key is not None:
-                    gid = join(key, bx)
-                    deferred.update(dict.fromkeys(st.eqn.outvars, gid))
-                    ever_deferred.update(st.eqn.outvars)
-                    continue
-            elif not st.boxings and not isinstance(v, jcore.Literal) and v in deferred:
-                deferred.update(dict.fromkeys(st.eqn.outvars, deferred[v]))
-                ever_deferred.update(st.eqn.outvars)
+        ok = lazy_ok(st)
+        pending = [waits_of(v) for v in st.eqn.invars]
+        for bx in st.boxings:
+            v = st.eqn.invars[bx.operand]
+            if isinstance(v, jcore.Literal):
                 continue
-        read = {deferred[v] for v in st.eqn.invars if not isinstance(v, jcore.Literal) and v in deferred}
-        if read:
-            close(read)
-    early = _early_groups(prog, boxed_to, ever_deferred, groups)
+            gid = made_by.get((v, bx.dst.nd_sbp))
+            if gid is not None:  # the member's result again (the conversion cache)
+                pending[bx.operand] = {gid} & open_ids
+                continue
+            close(pending[bx.operand])  # converted here: its groups run first
+            key = _group_key(bx, v) if ok and v not in nested_read and (v, bx.dst.nd_sbp) not in via_read else None
+            if key is None:
+                pending[bx.operand] = set()
+                continue
+            gid = join(key, bx)
+            made_by[(v, bx.dst.nd_sbp)] = gid
+            pending[bx.operand] = {gid}
+        after = set().union(*pending) if pending else set()
+        if ok and after:
+            for v in st.eqn.outvars:
+                waits[v] = after
+        else:
+            close(after)
     # the outputs' conversions run after everything else (ZeRO-1/2's updated parameters gathered
     # back to B): nothing reads them in between, so each kind is one group per bucket
     seen: set = set()  # an output boxed twice (a repeated output var) runs where it is
@@ -162,113 +164,85 @@ def combine_collectives(prog) -> None:
             join(("out",) + key, bx)
         seen.add(bx.operand)
     gid = 0
-    prog.early = {}
-    for n, members in enumerate(groups):
+    for members in groups:
         if len(members) < 2:
             continue  # nothing to combine: runs where it is
         for bx in members:
             bx.group = gid
-        if n in early:
-            prog.early[gid] = early[n]
         gid += 1
 
 
-def _early_groups(prog, boxed_to, ever_deferred, groups) -> dict:
-    """Early groups (see the module doc), appended to ``groups``: index in ``groups`` -> the
-    members' (boxing, root, pass-on steps), in program order: the value a member converts is its
-    root passed through those steps (a weight gradient's transpose, replayed when the group runs
-    if it comes later), and the root is made before the group's first member."""
-    made_at = {v: i for i, st in enumerate(prog.steps) for v in st.eqn.outvars}
+class _Node:
+    """Work the emitter has put off: ``fn`` on ``ins`` (some of them pending), once."""
 
-    def root_of(v):
-        chain = []
-        while (i := made_at.get(v)) is not None:
-            st = prog.steps[i]
-            if st.boxings or not passes_on(st) or isinstance(st.eqn.invars[0], jcore.Literal):
-                break
-            chain.append(st)
-            v = st.eqn.invars[0]
-        return v, tuple(reversed(chain))
+    __slots__ = ("fn", "ins", "value", "state")
 
-    open_groups: dict = {}  # key -> (index in ``groups``, first member's step, bytes)
-    early: dict = {}
-    for i, st in enumerate(prog.steps):
-        if st.kind != "prim" or passes_on(st) or len(st.boxings) != 1:
+    def __init__(self, fn, ins: list):
+        self.fn, self.ins, self.value, self.state = fn, ins, None, 0  # state: 0 new, 1 running, 2 done
+
+
+class _Pending:
+    """Output ``index`` of a ``_Node`` (a combined collective's member result, or what an op that
+    can wait makes from pending values)."""
+
+    __slots__ = ("node", "index")
+
+    def __init__(self, node: _Node, index: int):
+        self.node, self.index = node, index
+
+
+def is_pending(x) -> bool:
+    return isinstance(x, _Pending)
+
+
+def force(x):
+    """The value of ``x``: pending work run now, dependencies first. Iterative: a ZeRO-3 step waits
+    on its first parameter gather from the first layer to the last, deeper than Python recursion."""
+    if not isinstance(x, _Pending):
+        return x
+    stack = [x.node]
+    while stack:
+        n = stack[-1]
+        if n.state == 2:
+            stack.pop()
             continue
-        (bx,) = st.boxings
-        v = st.eqn.invars[bx.operand]
-        if bx.via or isinstance(v, jcore.Literal) or v in ever_deferred:
+        n.state = 1
+        todo = [y.node for y in n.ins if isinstance(y, _Pending) and y.node.state != 2]
+        if todo:
+            if any(m.state == 1 for m in todo):
+                raise AssertionError("combined collectives wait on each other")  # planning bug
+            stack.extend(todo)
             continue
-        if boxed_to[(v, None)]:
-            continue  # a nested program may convert the value too
-        # (later readers of the value in that layout reuse this conversion: ``bx.reused`` there)
-        key = _group_key(bx, v)
-        if key is None:
-            continue
-        size = math.prod(bx.src.local_shape) * key[-1].itemsize
-        root, chain = root_of(v)
-        if root in ever_deferred:
-            continue
-        hit = open_groups.get(key)
-        if hit is None or made_at.get(root, -1) >= hit[1] or hit[2] + size > COMBINE_BUCKET_BYTES:
-            groups.append([])
-            early[len(groups) - 1] = []
-            hit = (len(groups) - 1, i, 0)
-        n, first, nbytes = hit
-        groups[n].append(bx)
-        early[n].append((bx, root, chain))
-        open_groups[key] = (n, first, nbytes + size)
-    return early
+        n.value = n.fn([y.node.value[y.index] if isinstance(y, _Pending) else y for y in n.ins])
+        n.ins, n.state = None, 2
+        stack.pop()
+    return x.node.value[x.index]
 
 
-def is_deferred(x) -> bool:
-    return isinstance(x, _Deferred)
-
-
-class _Deferred:
-    """A value whose boxing waits in group ``group`` (member ``index``); ``post``: the
-    pass-through ops to replay on the result."""
-
-    __slots__ = ("group", "index", "post")
-
-    def __init__(self, group: int, index: int, post: tuple = ()):
-        self.group, self.index, self.post = group, index, post
-
-    def then(self, fn) -> _Deferred:
-        return _Deferred(self.group, self.index, self.post + (fn,))
+def later(fn, ins: list, n: int) -> list:
+    """``n`` pending outputs of ``fn`` on ``ins`` (some pending), computed once when one is needed."""
+    node = _Node(fn, ins)
+    return [_Pending(node, i) for i in range(n)]
 
 
 class Groups:
-    """The emitter's side: collects each group's operands and runs the group on first use."""
+    """The emitter's side: collects each group's operands and runs the group when a result is needed."""
 
     def __init__(self, placement):
         self.placement = placement
-        self.members: dict[int, list] = {}
-        self.results: dict[int, list] = {}
+        self.groups: dict[int, tuple[_Node, list]] = {}  # group id -> (its node, its boxings)
 
-    def defer(self, bx, x) -> _Deferred:
-        if bx.group in self.results:
+    def defer(self, bx, x) -> _Pending:
+        """``bx`` of ``x`` as a member of its group: its result, pending."""
+        if bx.group not in self.groups:
+            bxs: list = []
+            self.groups[bx.group] = (_Node(lambda vals: self._run(list(zip(bxs, vals))), []), bxs)
+        node, bxs = self.groups[bx.group]
+        if node.state:
             raise AssertionError(f"combined collective {bx.group} already ran")  # planning bug
-        members = self.members.setdefault(bx.group, [])
-        members.append((bx, x))
-        return _Deferred(bx.group, len(members) - 1)
-
-    def early(self, bx, members: list, values):
-        """``bx``'s result in its early group (``Program.early``: ``members``, in the group's
-        order), which runs at the first call on the members' ``values()``."""
-        if bx.group not in self.results:
-            self.results[bx.group] = self._run([(m[0], x) for m, x in zip(members, values())])
-        return self.results[bx.group][next(i for i, m in enumerate(members) if m[0] is bx)]
-
-    def resolve(self, x):
-        if not isinstance(x, _Deferred):
-            return x
-        if x.group not in self.results:
-            self.results[x.group] = self._run(self.members.pop(x.group))
-        y = self.results[x.group][x.index]
-        for fn in x.post:
-            y = fn(y)
-        return y
+        bxs.append(bx)
+        node.ins.append(x)
+        return _Pending(node, len(node.ins) - 1)
 
     def _run(self, members: list) -> list:
         mv = members[0][0].moves[0]

@@ -38,7 +38,7 @@ from jax.extend import core as jcore
 
 from . import _planner, _repeat, _sbp
 from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, plan_cost, run_plan
-from ._combine import Groups, combine_collectives, is_deferred, passes_on
+from ._combine import Groups, combine_collectives, force, is_pending, later, lazy_ok
 from ._errors import NoRuleWarning, SbpError
 from ._layout import Layout, layout_of
 from .rules import _registry
@@ -94,9 +94,6 @@ class Program:
     out_boxings: list[Boxing]  # boxing of outputs to requested layouts (may be empty)
     # value -> the layout its readers are served from (``_Inference.hubs``: the global planner's)
     hubs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    # combined collective id -> its members (boxing, root value, pass-on steps from it) when it runs
-    # at its first member's step, before the others' (``_combine``: early groups)
-    early: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def _itemsize(aval) -> int:
@@ -1293,14 +1290,18 @@ def _apply_boxings(vals, boxings, invars=None, cache=None):
                 continue
         if bx.via:  # start from the earlier conversion of the value to ``src``
             vals[bx.operand] = cache[(invars[bx.operand], bx.src.nd_sbp)]
-        vals[bx.operand], _ = run_plan(vals[bx.operand], bx.moves, bx.src)
+        vals[bx.operand], _ = run_plan(force(vals[bx.operand]), bx.moves, bx.src)
         if key is not None:
             cache[key] = vals[bx.operand]
     return vals
 
 
 def run_program(prog: Program, local_inputs: list, cache: dict | None = None, alias: dict | None = None) -> list:
-    """Run ``prog`` on local shards. ``cache``/``alias``: shared with the caller for inlined calls."""
+    """Run ``prog`` on local shards. ``cache``/``alias``: shared with the caller for inlined calls.
+
+    Conversions in a combined collective (``_combine``) are deferred: they run together when the
+    first of their results is needed, and the steps that read them meanwhile (``lazy_ok``) wait
+    with them, as ``combine_collectives`` planned."""
     env: dict = {}
     for v, c in zip(prog.jaxpr.constvars, prog.consts):
         env[v] = jnp.asarray(c)
@@ -1324,58 +1325,40 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
     for st in prog.steps:
         keys = [v if isinstance(v, jcore.Literal) else key(v) for v in st.eqn.invars]
         ins = [read(v) for v in st.eqn.invars]
-        boxings = st.boxings
-        if any(bx.group is not None for bx in boxings):  # a member of a combined collective
-            groups = groups or Groups(prog.in_layouts[0].placement)
-            (bx,) = boxings
-            if bx.group in prog.early:  # runs now with every member, if it has not yet
-                members = prog.early[bx.group]
-                ins[bx.operand] = groups.early(bx, members, lambda members=members: [_replay(chain, read(u)) for _, u, chain in members])
-                cache[(keys[bx.operand], bx.dst.nd_sbp)] = ins[bx.operand]  # for later readers' reuse
-            else:
-                ins[bx.operand] = groups.defer(bx, ins[bx.operand])
-            boxings = ()
-        if groups is not None:
-            if not boxings and any(is_deferred(x) for x in ins) and passes_on(st):
-                # a pass-through op on a deferred value: replayed when the group has run
-                y = ins[0]
-                outs = [y if st.kind == "annotate" else y.then(lambda x, st=st: _emit_prim(st, [x])[0])]
-                for v, o in zip(st.eqn.outvars, outs):
-                    env[v] = o
+        boxings = []
+        for bx in st.boxings:
+            if bx.group is None:
+                boxings.append(bx)
                 continue
-            ins = [groups.resolve(x) for x in ins]
+            groups = groups or Groups(prog.in_layouts[0].placement)  # a member of a combined collective
+            ins[bx.operand] = groups.defer(bx, ins[bx.operand])
+            cache[(keys[bx.operand], bx.dst.nd_sbp)] = ins[bx.operand]  # for later readers' reuse
         ins = _apply_boxings(ins, boxings, keys, cache)
         if st.kind == "call":
             for sub_v, outer in zip(st.sub.jaxpr.invars, keys):
                 if not isinstance(outer, jcore.Literal):
                     alias[sub_v] = outer
-            outs = run_program(st.sub, ins, cache, alias)
+            run = lambda ins, st=st: run_program(st.sub, ins, cache, alias)  # noqa: E731
             _alias_outputs(alias, st.eqn.outvars, st.sub.jaxpr.outvars)
         else:
-            outs = _EMIT[st.kind](st, ins)
+            run = lambda ins, st=st: _EMIT[st.kind](st, ins)  # noqa: E731
+        if any(is_pending(x) for x in ins):
+            outs = later(run, ins, len(st.eqn.outvars)) if lazy_ok(st) else run([force(x) for x in ins])
+        else:
+            outs = run(ins)
         for v, o in zip(st.eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
-    outs = [read(v) for v in prog.jaxpr.outvars]
-    if groups is not None:
-        outs = [groups.resolve(x) for x in outs]
+    outs = [force(read(v)) for v in prog.jaxpr.outvars]
     boxings = [bx for bx in prog.out_boxings if bx.group is None]
     if len(boxings) < len(prog.out_boxings):  # outputs' conversions run as combined collectives
         groups = groups or Groups(prog.in_layouts[0].placement)
         for bx in prog.out_boxings:
             if bx.group is not None:
                 outs[bx.operand] = groups.defer(bx, outs[bx.operand])
-        outs = [groups.resolve(x) for x in outs]
+        outs = [force(x) for x in outs]
     # (a repeated output converted to one layout twice: the second reuses the first)
     return _apply_boxings(outs, boxings, [v if isinstance(v, jcore.Literal) else key(v) for v in prog.jaxpr.outvars], {})
-
-
-def _replay(steps, x):
-    """``x`` through pass-on steps (``_combine.passes_on``: a transpose, a reshape, an annotation
-    without boxing), as the program runs them later (an early group's member made after its run)."""
-    for st in steps:
-        x = _EMIT[st.kind](st, [x])[0]
-    return x
 
 
 def _emit_prim(st: Step, ins):
@@ -1735,8 +1718,7 @@ def _copy_program(prog: Program) -> Program:
         return x
 
     steps = [dataclasses.replace(st, boxings=boxings(st.boxings), sub=sub(st.sub)) for st in prog.steps]
-    # (its early groups name the copied boxings once ``combine_collectives`` runs on it)
-    return dataclasses.replace(prog, steps=steps, out_boxings=boxings(prog.out_boxings), early={})
+    return dataclasses.replace(prog, steps=steps, out_boxings=boxings(prog.out_boxings))
 
 
 class _OverBudget(Exception):

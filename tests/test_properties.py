@@ -75,7 +75,7 @@ _CONVERSIONS = {  # kind -> (the operand's SBP, the annotation's SBP, the collec
 @st.composite
 def interleavings(draw):
     plc = draw(st.sampled_from(PLACEMENTS[:1] + [jsbp.placement("cpu", list(range(8)))]))
-    ops = draw(st.lists(st.tuples(st.sampled_from(sorted(_CONVERSIONS)), st.booleans(), st.booleans()),
+    ops = draw(st.lists(st.tuples(st.sampled_from(sorted(_CONVERSIONS)), st.booleans(), st.booleans(), st.booleans()),
                         min_size=2, max_size=7))
     return plc, ops, draw(st.integers(0, 2**16))
 
@@ -83,17 +83,17 @@ def interleavings(draw):
 @settings(max_examples=int(__import__("os").environ.get("JSBP_HYPOTHESIS_EXAMPLES", "10")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(interleavings())
-def test_combined_collectives_run_each_group_at_its_first_read(case):
-    """Conversions (P -> B, P -> S, S -> B), each read at once or only returned, some transposed on
-    the way (a pass-through op, replayed on the combined result): the values are NumPy's, and the
-    compiled program runs one collective per group, where a group gathers the conversions of one
-    kind made since its last member was read — a read runs its own group and leaves the others
-    open (``jsbp._combine``)."""
+def test_combined_collectives_run_each_group_when_first_needed(case):
+    """Conversions (P -> B, P -> S, S -> B), each read (by ``tanh``, which can wait) or only
+    returned, some transposed on the way, some *needed* at once (``tanh``'s result converted again,
+    locally, to ``P``): the values are NumPy's, and the compiled program runs one collective per
+    group, where a group gathers the conversions of one kind until one of its results is needed
+    (``jsbp._combine``: reads that can wait close nothing; a need closes only its own group)."""
     plc, ops, seed = case
     rng = np.random.default_rng(seed)
     n = plc.size
     args, refs = [], []
-    for kind, _, _ in ops:
+    for kind, _, _, _ in ops:
         src = _CONVERSIONS[kind][0]
         if src == "P":
             locs = [rng.standard_normal((2 * n, 4)).astype(np.float32) for _ in range(n)]
@@ -106,27 +106,28 @@ def test_combined_collectives_run_each_group_at_its_first_read(case):
 
     def f(*xs):
         outs = []
-        for x, (kind, read, flip) in zip(xs, ops):
+        for x, (kind, read, flip, need) in zip(xs, ops):
             y = jsbp.to_global(x, sbp=_CONVERSIONS[kind][1])
             y = y.T if flip else y
-            outs.append(jnp.tanh(y) if read else y)
+            y = jnp.tanh(y) if read or need else y
+            outs.append(jsbp.to_global(y, sbp="P") if need else y)  # B / S -> P: local, at once
         return outs
 
     want = []
-    for r, (_, read, flip) in zip(refs, ops):
+    for r, (_, read, flip, need) in zip(refs, ops):
         r = r.T if flip else r
-        want.append(np.tanh(r) if read else r)
+        want.append(np.tanh(r) if read or need else r)
     got = jsbp.jit(f)(*args)
     for o, w in zip(got, want):
         np.testing.assert_allclose(o.numpy(), w, rtol=1e-5, atol=1e-5)
-    # the groups, as the rule says: per kind, conversions since the last read of one of its members
+    # the groups, as the rule says: per kind, conversions until one of the group's results is needed
     expected = dict.fromkeys((c for _, _, c in _CONVERSIONS.values()), 0)
     open_kinds = set()
-    for kind, read, _ in ops:
+    for kind, _, _, need in ops:
         if kind not in open_kinds:
             expected[_CONVERSIONS[kind][2]] += 1
             open_kinds.add(kind)
-        if read:
+        if need:
             open_kinds.discard(kind)
     plan = jsbp.explain(f, *args).collectives()
     compiled = jsbp.debug.count_collectives(jsbp.jit(f), *args)
