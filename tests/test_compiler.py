@@ -842,6 +842,33 @@ def test_reading_one_combined_collective_leaves_the_others_open():
     assert counts == plan.collectives() == want, str(plan)
 
 
+def test_a_call_waits_with_a_combined_collective_and_a_loop_does_not():
+    """A ``jax.jit`` call that converts nothing reads a combined collective's result without
+    needing it yet (the embedding gradient's scatter-add is such a call); a loop needs its operand
+    at once, so the group runs there and a conversion after it starts another."""
+    (g1, r1), (g2, r2), (g3, r3) = (_addends((8, 8), P4, np.float32) for _ in range(3))
+
+    @jax.jit
+    def local(x):
+        return jnp.cos(x) * 2.0
+
+    def f(g1, g2, g3):
+        a = local(jsbp.to_global(g1, sbp="B"))  # the call waits
+        b = jsbp.to_global(g2, sbp="B")  # joins g1's group
+        c = jax.lax.fori_loop(0, 2, lambda i, v: v * 0.5 + 1.0, b)  # needs b: the group runs
+        d = jsbp.to_global(g3, sbp="B")  # after that: alone
+        return a, c, d
+
+    args = (g1, g2, g3)
+    got = jsbp.jit(f)(*args)
+    for o, ref in zip(got, [np.cos(r1) * 2, (r2 * 0.5 + 1) * 0.5 + 1, r3]):
+        np.testing.assert_allclose(o.numpy(), ref, rtol=1e-5, atol=1e-5)
+    plan = jsbp.explain(f, *args)
+    assert [b.combined for b in plan.boxings() if b.collectives] == [0, 0, None], str(plan)
+    counts = jsbp.debug.count_collectives(jsbp.jit(f), *args)
+    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 2}, str(plan)
+
+
 _PENDING_CASES = {  # placement: (x's sbp, collectives, which boxings are combined)
     "4": (P4, "S(0)", {"reduce-scatter": 2, "all-reduce": 1}, [True] * 4 + [False] * 3),
     # (on 8 devices g2's 4 elements split unevenly: not combined)
