@@ -1342,10 +1342,10 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
             _alias_outputs(alias, st.eqn.outvars, st.sub.jaxpr.outvars)
         else:
             run = lambda ins, st=st: _EMIT[st.kind](st, ins)  # noqa: E731
-        if any(is_pending(x) for x in ins):
-            outs = later(run, ins, len(st.eqn.outvars)) if lazy_ok(st) else run([force(x) for x in ins])
+        if any(is_pending(x) for x in ins) and lazy_ok(st):
+            outs = later(run, ins, len(st.eqn.outvars))  # traced when one of its results is needed
         else:
-            outs = run(ins)
+            outs = run([force(x) for x in ins])
         for v, o in zip(st.eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
