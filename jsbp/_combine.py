@@ -16,8 +16,10 @@ program by its data. So a member's result is a *pending* value, and so is whatev
 wait (``lazy_ok``: any op or annotation, a call whose program converts nothing; not a loop, a
 branch or an op with effects) makes from pending values: those ops are traced when their result
 is needed. A result is needed where a conversion that is not a member reads it, where a step that
-cannot wait reads it, and at the program's end. A group therefore takes every conversion of its
-kind made before one of its results is needed, wherever the planner put them: an optimizer's
+cannot wait reads it, and at the program's end. The outputs' own conversions (a loss left
+partial until ``out_sbp`` reduces it, ZeRO-1/2's updated parameters gathered back) join the open
+groups too. A group therefore takes every conversion of its kind made before one of its results is
+needed, wherever the planner put them: an optimizer's
 ``g * g`` reading an all-reduced gradient waits with it, so the gradients' all-reduces run as one
 collective whether each is reduced at its ``to_global`` annotation, its transpose or its update
 (the data-parallel GPT step planned without the search's lookahead passes reduced its 22
@@ -87,7 +89,8 @@ def combine_collectives(prog) -> None:
     Mirrors the emitter (``_compiler.run_program``): a member's result, and whatever ``lazy_ok``
     steps make from it, is *pending*; a pending value read where it is needed (converted by a
     boxing that is not a member, read by a step that must run in place) closes the open groups it
-    waits for, so no group takes a member after one of its results was needed."""
+    waits for, so no group takes a member after one of its results was needed. The outputs'
+    conversions come last and join the open groups alike."""
     for bx in (*(bx for st in prog.steps for bx in st.boxings), *prog.out_boxings):
         bx.group = None
     via_read, nested_read = set(), set()
@@ -153,15 +156,18 @@ def combine_collectives(prog) -> None:
                 waits[v] = after
         else:
             close(after)
-    # the outputs' conversions run after everything else (ZeRO-1/2's updated parameters gathered
-    # back to B): nothing reads them in between, so each kind is one group per bucket
+    # the outputs' conversions (ZeRO-1/2's updated parameters gathered back to B, a loss reduced
+    # at the end): nothing reads them, so each joins the open group of its kind (a loss's
+    # all-reduce with the gradients') once the groups its value waits for are closed
     seen: set = set()  # an output boxed twice (a repeated output var) runs where it is
     for bx in prog.out_boxings:
         if bx.reused:
             continue  # (runs as the conversion it repeats does)
-        key = _group_key(bx, prog.jaxpr.outvars[bx.operand])
+        v = prog.jaxpr.outvars[bx.operand]
+        key = _group_key(bx, v)
         if key is not None and bx.operand not in seen:
-            join(("out",) + key, bx)
+            close(waits_of(v))
+            join(key, bx)
         seen.add(bx.operand)
     gid = 0
     for members in groups:

@@ -1349,16 +1349,16 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
         for v, o in zip(st.eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
-    outs = [force(read(v)) for v in prog.jaxpr.outvars]
-    boxings = [bx for bx in prog.out_boxings if bx.group is None]
-    if len(boxings) < len(prog.out_boxings):  # outputs' conversions run as combined collectives
-        groups = groups or Groups(prog.in_layouts[0].placement)
-        for bx in prog.out_boxings:
-            if bx.group is not None:
-                outs[bx.operand] = groups.defer(bx, outs[bx.operand])
-        outs = [force(x) for x in outs]
-    # (a repeated output converted to one layout twice: the second reuses the first)
-    return _apply_boxings(outs, boxings, [v if isinstance(v, jcore.Literal) else key(v) for v in prog.jaxpr.outvars], {})
+    outs = [read(v) for v in prog.jaxpr.outvars]
+    keys = [v if isinstance(v, jcore.Literal) else key(v) for v in prog.jaxpr.outvars]
+    made = {}  # (a repeated output converted to one layout twice: the second reuses the first)
+    for bx in prog.out_boxings:  # outputs' conversions in combined collectives (open ones too)
+        if bx.group is not None:
+            groups = groups or Groups(prog.in_layouts[0].placement)
+            outs[bx.operand] = made[(keys[bx.operand], bx.dst.nd_sbp)] = groups.defer(bx, outs[bx.operand])
+    outs = [force(x) for x in outs]
+    made = {k: force(x) for k, x in made.items()}
+    return _apply_boxings(outs, [bx for bx in prog.out_boxings if bx.group is None], keys, made)
 
 
 def _emit_prim(st: Step, ins):

@@ -869,6 +869,54 @@ def test_a_call_waits_with_a_combined_collective_and_a_loop_does_not():
     assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 2}, str(plan)
 
 
+@pytest.mark.parametrize("waits", [False, True])
+def test_output_conversions_join_the_open_group_of_their_kind(waits):
+    """An output converted on the way out (a loss left partial until ``out_sbp`` reduces it) joins
+    the open group of its kind, as a conversion in the program would: the data-parallel GPT step
+    planned without lookahead passes ran its loss's all-reduce after the gradients' (2 instead
+    of 1). Here 1 all-reduce for 4 conversions (before: 2, the outputs' apart). One whose value
+    waits on that group (``waits``: ``g3 * b1``) closes it and starts the next, which a later
+    output joins: 2 all-reduces. Values as NumPy's."""
+    (g1, r1), (g2, r2), (g3, r3), (g4, r4) = (_addends(s, P4, np.float32) for s in [(8, 4), (4,), (8, 4), (3,)])
+
+    def f(g1, g2, g3, g4):
+        b1 = jsbp.to_global(g1, sbp="B")  # group 0
+        keep = functools.partial(jsbp.to_global, sbp="P")  # partial sums until ``out_sbp`` reduces them
+        return jnp.tanh(b1), keep(g2 * 2.0), keep(g3 * (b1 if waits else 3.0)), g4
+
+    args = (g1, g2, g3, g4)
+    jf = jsbp.jit(f, out_sbp="B")
+    got = jf(*args)
+    for o, ref in zip(got, [np.tanh(r1), r2 * 2, r3 * (r1 if waits else 3.0), r4]):
+        np.testing.assert_allclose(o.numpy(), ref, rtol=1e-5, atol=1e-5)
+    plan = jsbp.explain(jf, *args)
+    assert [b.combined for b in plan.boxings() if b.collectives] == ([0, 0, 1, 1] if waits else [0] * 4), str(plan)
+    counts = jsbp.debug.count_collectives(jf, *args)
+    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 1 + waits}, str(plan)
+
+
+def test_a_repeated_output_reuses_its_combined_conversion():
+    """A value returned twice is converted once: the second output reuses the first's result
+    (``Boxing.reused``) also when that conversion ran in a combined collective. Before, the
+    reused conversion ran again on its own (2 all-reduces where the plan said 1; found by a fuzzer
+    of ``out_sbp`` conversions)."""
+    (g1, r1), (g2, r2) = (_addends(s, P4, np.float32) for s in [(8, 4), (4,)])
+    keep = functools.partial(jsbp.to_global, sbp="P")
+
+    def f(g1, g2):
+        y = keep(g1 * 2.0)
+        return y, keep(g2 + 1.0), y
+
+    jf = jsbp.jit(f, out_sbp="B")
+    got = jf(g1, g2)
+    for o, ref in zip(got, [r1 * 2, r2 + 1, r1 * 2]):
+        np.testing.assert_allclose(o.numpy(), ref, rtol=1e-5, atol=1e-5)
+    plan = jsbp.explain(jf, g1, g2)
+    assert [(b.combined, b.reused) for b in plan.output_boxings] == [(0, False), (0, False), (None, True)], str(plan)
+    counts = jsbp.debug.count_collectives(jf, g1, g2)
+    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 1}, str(plan)
+
+
 _PENDING_CASES = {  # placement: (x's sbp, collectives, which boxings are combined)
     "4": (P4, "S(0)", {"reduce-scatter": 2, "all-reduce": 1}, [True] * 4 + [False] * 3),
     # (on 8 devices g2's 4 elements split unevenly: not combined)
