@@ -159,16 +159,12 @@ def combine_collectives(prog) -> None:
     # the outputs' conversions (ZeRO-1/2's updated parameters gathered back to B, a loss reduced
     # at the end): nothing reads them, so each joins the open group of its kind (a loss's
     # all-reduce with the gradients') once the groups its value waits for are closed
-    seen: set = set()  # an output boxed twice (a repeated output var) runs where it is
-    for bx in prog.out_boxings:
-        if bx.reused:
-            continue  # (runs as the conversion it repeats does)
+    for bx in prog.out_boxings:  # (one per output; a repeated output's is ``reused``: ``_group_key``)
         v = prog.jaxpr.outvars[bx.operand]
         key = _group_key(bx, v)
-        if key is not None and bx.operand not in seen:
+        if key is not None:
             close(waits_of(v))
             join(key, bx)
-        seen.add(bx.operand)
     gid = 0
     for members in groups:
         if len(members) < 2:
