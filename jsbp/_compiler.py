@@ -1351,13 +1351,13 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
                 env[v] = o
     outs = [read(v) for v in prog.jaxpr.outvars]
     keys = [v if isinstance(v, jcore.Literal) else key(v) for v in prog.jaxpr.outvars]
-    made = {}  # (a repeated output converted to one layout twice: the second reuses the first)
-    for bx in prog.out_boxings:  # outputs' conversions in combined collectives (open ones too)
-        if bx.group is not None:
-            groups = groups or Groups(prog.in_layouts[0].placement)
-            outs[bx.operand] = made[(keys[bx.operand], bx.dst.nd_sbp)] = groups.defer(bx, outs[bx.operand])
+    combined = [bx for bx in prog.out_boxings if bx.group is not None]  # (open groups' members too)
+    for bx in combined:
+        groups = groups or Groups(prog.in_layouts[0].placement)
+        outs[bx.operand] = groups.defer(bx, outs[bx.operand])
     outs = [force(x) for x in outs]
-    made = {k: force(x) for k, x in made.items()}
+    # (a repeated output converted to one layout twice: the second reuses the first)
+    made = {(keys[bx.operand], bx.dst.nd_sbp): outs[bx.operand] for bx in combined}
     return _apply_boxings(outs, [bx for bx in prog.out_boxings if bx.group is None], keys, made)
 
 
