@@ -10,27 +10,22 @@ all-reduce of their concatenation, on 8 simulated devices). jsbp batches them li
 buckets: boxings of the same kind, axes and dtype are deferred and run as one collective over the
 concatenated blocks when the first of their results is *needed* (or the bucket is full).
 
-**Pending values.** The emitter (``_compiler.run_program``) traces the program into ``shard_map``
-in program order, but nothing obliges it to trace an op where it stands: XLA orders the compiled
-program by its data. So a member's result is a *pending* value, and so is whatever an op that can
-wait (``lazy_ok``: any op or annotation, a call whose program converts nothing; not a loop, a
-branch or an op with effects) makes from pending values: those ops are traced when their result
-is needed. A result is needed where a conversion that is not a member reads it, where a step that
-cannot wait reads it, and at the program's end. The outputs' own conversions (a loss left
-partial until ``out_sbp`` reduces it, ZeRO-1/2's updated parameters gathered back) join the open
-groups too. A group therefore takes every conversion of its kind made before one of its results is
-needed, wherever the planner put them: an optimizer's
-``g * g`` reading an all-reduced gradient waits with it, so the gradients' all-reduces run as one
-collective whether each is reduced at its ``to_global`` annotation, its transpose or its update
-(the data-parallel GPT step planned without the search's lookahead passes reduced its 22
-gradients at the update's ``integer_pow``: 22 collectives, now 2). A need runs the groups the
-value waits for and no other: the activation all-reduces of a Megatron x data step, each needed at
-once, do not cut its gradients' group into pieces (the zoo's decoder LM under dp2 x tp4: 28
-compiled all-reduces -> 21 -> 13).
+**When a group runs.** XLA orders the compiled program by its data, so nothing obliges a
+collective to run where its first member stands. A group takes every conversion of its kind made
+before one of its results is *needed*: a result read by an op that can wait (``lazy_ok``: any op
+or annotation, a call whose program converts nothing; not a loop, a branch or an op with effects)
+only makes that op wait too; it is needed where a conversion that is not a member reads it (or
+what was made from it), where a step that cannot wait reads it, and at the program's end. The
+outputs' own conversions (a loss left partial until ``out_sbp`` reduces it, ZeRO-1/2's updated
+parameters gathered back) join the open groups too. So an optimizer's ``g * g`` reading an
+all-reduced gradient waits with it, and the gradients' all-reduces run as one collective whether
+each is reduced at its ``to_global`` annotation, its transpose or its update; and the activation
+all-reduces of a Megatron x data step, each needed at once, do not cut its gradients' group.
 
-The grouping is decided on the ``Program`` (``combine_collectives``, which follows the emitter's
-rule step by step), so ``jsbp.explain`` shows it and counts each combined collective once, as the
-compiled program has it; the emitter (``Groups``) only follows it. A boxing joins a group when it
+``combine_collectives`` decides the groups on the ``Program`` and the order its steps and groups
+run in (``Program.order``, a topological order of their data), so ``jsbp.explain`` shows them and
+counts each combined collective once, as the compiled program has it; the emitter
+(``_compiler.run_program``) runs that order and nothing else. A boxing joins a group when it
 is a single even all-reduce (of a partial sum: partial extrema travel as order keys),
 reduce-scatter or all-gather of a value no nested program reads and no later conversion starts
 from (``via``), on a step that can wait.
@@ -38,6 +33,7 @@ from (``via``), on a step that can wait.
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Any
 
@@ -86,7 +82,7 @@ def combine_collectives(prog) -> None:
     """Assign ``Boxing.group`` ids on the top-level steps of ``prog`` (see the module doc).
     Idempotent: a second call makes the same groups.
 
-    Mirrors the emitter (``_compiler.run_program``): a member's result, and whatever ``lazy_ok``
+    A member's result, and whatever ``lazy_ok``
     steps make from it, is *pending*; a pending value read where it is needed (converted by a
     boxing that is not a member, read by a step that must run in place) closes the open groups it
     waits for, so no group takes a member after one of its results was needed. The outputs'
@@ -172,93 +168,96 @@ def combine_collectives(prog) -> None:
         for bx in members:
             bx.group = gid
         gid += 1
+    prog.order = _schedule(prog)
 
 
-class _Node:
-    """Work the emitter has put off: ``fn`` on ``ins`` (some of them pending), once."""
+def _schedule(prog) -> list[tuple[str, int]]:
+    """The order the emitter runs ``prog``'s top-level steps and combined collectives in:
+    ``("step", k)`` and ``("group", g)`` items, a topological order of their data dependencies.
 
-    __slots__ = ("fn", "ins", "value", "state")
+    A step waits for the steps that make its operands and for the groups whose results it reads
+    (as a member conversion or by reusing one); a group waits for the steps that make its members'
+    operands; steps with effects keep their program order. Among what is ready, the lowest key
+    goes first: a step's index, a group's first reader's, so the program keeps its order except
+    where a step must wait for a group whose last member is made further on."""
+    steps = prog.steps
+    producer: dict = {}
+    for k, st in enumerate(steps):
+        for v in st.eqn.outvars:
+            if not isinstance(v, jcore.DropVar):
+                producer[v] = k
+    made_by: dict = {}  # (value, layout) -> the group converting it
+    members: dict = {}  # group -> [(step index or None for an output, value)]
+    for k, st in enumerate(steps):
+        for bx in st.boxings:
+            if bx.group is not None:
+                v = st.eqn.invars[bx.operand]
+                made_by[(v, bx.dst.nd_sbp)] = bx.group
+                members.setdefault(bx.group, []).append(v)
+    for bx in prog.out_boxings:
+        if bx.group is not None:
+            members.setdefault(bx.group, []).append(prog.jaxpr.outvars[bx.operand])
+    if not members:
+        return [("step", k) for k in range(len(steps))]
+    deps: dict = {}
+    first_reader = {g: len(steps) for g in members}
+    last_effect = None
+    for k, st in enumerate(steps):
+        d = {("step", producer[v]) for v in st.eqn.invars if not isinstance(v, jcore.Literal) and v in producer}
+        for bx in st.boxings:
+            v = st.eqn.invars[bx.operand]
+            if isinstance(v, jcore.Literal):
+                continue
+            g = bx.group if bx.group is not None else made_by.get((v, bx.dst.nd_sbp))
+            if g is not None:
+                d.add(("group", g))
+                first_reader[g] = min(first_reader[g], k)
+        if st.eqn.effects:
+            if last_effect is not None:
+                d.add(("step", last_effect))
+            last_effect = k
+        deps[("step", k)] = d
+    for g, vs in members.items():
+        deps[("group", g)] = {("step", producer[v]) for v in vs if not isinstance(v, jcore.Literal) and v in producer}
+    users: dict = {}
+    for node, d in deps.items():
+        for u in d:
+            users.setdefault(u, []).append(node)
+    waiting = {node: len(d) for node, d in deps.items()}
 
-    def __init__(self, fn, ins: list):
-        self.fn, self.ins, self.value, self.state = fn, ins, None, 0  # state: 0 new, 1 running, 2 done
+    def key(node):
+        return (node[1] if node[0] == "step" else first_reader[node[1]], node[0] == "step")
+
+    ready = [(key(n), n) for n, c in waiting.items() if c == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        order.append(node)
+        for u in users.get(node, ()):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (key(u), u))
+    if len(order) != len(deps):
+        raise AssertionError("combined collectives wait on each other")  # a planning bug
+    return order
 
 
-class _Pending:
-    """Output ``index`` of a ``_Node`` (a combined collective's member result, or what an op that
-    can wait makes from pending values)."""
-
-    __slots__ = ("node", "index")
-
-    def __init__(self, node: _Node, index: int):
-        self.node, self.index = node, index
-
-
-def is_pending(x) -> bool:
-    return isinstance(x, _Pending)
-
-
-def force(x):
-    """The value of ``x``: pending work run now, dependencies first. Iterative: a ZeRO-3 step waits
-    on its first parameter gather from the first layer to the last, deeper than Python recursion."""
-    if not isinstance(x, _Pending):
-        return x
-    stack = [x.node]
-    while stack:
-        n = stack[-1]
-        if n.state == 2:
-            stack.pop()
-            continue
-        n.state = 1
-        todo = [y.node for y in n.ins if isinstance(y, _Pending) and y.node.state != 2]
-        if todo:
-            if any(m.state == 1 for m in todo):
-                raise AssertionError("combined collectives wait on each other")  # planning bug
-            stack.extend(todo)
-            continue
-        n.value = n.fn([y.node.value[y.index] if isinstance(y, _Pending) else y for y in n.ins])
-        n.ins, n.state = None, 2
-        stack.pop()
-    return x.node.value[x.index]
-
-
-def later(fn, ins: list, n: int) -> list:
-    """``n`` pending outputs of ``fn`` on ``ins`` (some pending), computed once when one is needed."""
-    node = _Node(fn, ins)
-    return [_Pending(node, i) for i in range(n)]
-
-
-class Groups:
-    """The emitter's side: collects each group's operands and runs the group when a result is needed."""
-
-    def __init__(self, placement):
-        self.placement = placement
-        self.groups: dict[int, tuple[_Node, list]] = {}  # group id -> (its node, its boxings)
-
-    def defer(self, bx, x) -> _Pending:
-        """``bx`` of ``x`` as a member of its group: its result, pending."""
-        if bx.group not in self.groups:
-            bxs: list = []
-            self.groups[bx.group] = (_Node(lambda vals: self._run(list(zip(bxs, vals))), []), bxs)
-        node, bxs = self.groups[bx.group]
-        if node.state:
-            raise AssertionError(f"combined collective {bx.group} already ran")  # planning bug
-        bxs.append(bx)
-        node.ins.append(x)
-        return _Pending(node, len(node.ins) - 1)
-
-    def _run(self, members: list) -> list:
-        mv = members[0][0].moves[0]
-        axis, n = collective_axes(self.placement, mv.axes)
-        wide = collective_dtype(members[0][1].dtype, mv.src.is_partial)  # one dtype per group
-        if wide is not None:
-            members = [(bx, x.astype(wide)) for bx, x in members]
-        if mv.collective == "all-reduce":
-            outs = _all_reduce_many([x for _, x in members], axis)
-        elif mv.collective == "reduce-scatter":
-            outs = _reduce_scatter_many([(x, bx.dst.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
-        else:
-            outs = _all_gather_many([(x, bx.src.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
-        return outs if wide is None else [y != 0 for y in outs]
+def run_group(placement, members: list) -> list:
+    """One combined collective: ``members`` is a list of (boxing, local value); the converted
+    values, in order."""
+    mv = members[0][0].moves[0]
+    axis, n = collective_axes(placement, mv.axes)
+    wide = collective_dtype(members[0][1].dtype, mv.src.is_partial)  # one dtype per group
+    if wide is not None:
+        members = [(bx, x.astype(wide)) for bx, x in members]
+    if mv.collective == "all-reduce":
+        outs = _all_reduce_many([x for _, x in members], axis)
+    elif mv.collective == "reduce-scatter":
+        outs = _reduce_scatter_many([(x, bx.dst.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
+    else:
+        outs = _all_gather_many([(x, bx.src.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
+    return outs if wide is None else [y != 0 for y in outs]
 
 
 def _all_reduce_many(xs: list, axis) -> list:

@@ -38,7 +38,7 @@ from jax.extend import core as jcore
 
 from . import _planner, _repeat, _sbp
 from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, plan_cost, run_plan
-from ._combine import Groups, combine_collectives, force, is_pending, later, lazy_ok
+from ._combine import combine_collectives, run_group
 from ._errors import NoRuleWarning, SbpError
 from ._layout import Layout, layout_of
 from .rules import _registry
@@ -94,6 +94,8 @@ class Program:
     out_boxings: list[Boxing]  # boxing of outputs to requested layouts (may be empty)
     # value -> the layout its readers are served from (``_Inference.hubs``: the global planner's)
     hubs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # the order of the top-level steps and combined collectives (``_combine``); None: step by step
+    order: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def _itemsize(aval) -> int:
@@ -1290,18 +1292,16 @@ def _apply_boxings(vals, boxings, invars=None, cache=None):
                 continue
         if bx.via:  # start from the earlier conversion of the value to ``src``
             vals[bx.operand] = cache[(invars[bx.operand], bx.src.nd_sbp)]
-        vals[bx.operand], _ = run_plan(force(vals[bx.operand]), bx.moves, bx.src)
+        vals[bx.operand], _ = run_plan(vals[bx.operand], bx.moves, bx.src)
         if key is not None:
             cache[key] = vals[bx.operand]
     return vals
 
 
 def run_program(prog: Program, local_inputs: list, cache: dict | None = None, alias: dict | None = None) -> list:
-    """Run ``prog`` on local shards. ``cache``/``alias``: shared with the caller for inlined calls.
-
-    Conversions in a combined collective (``_combine``) are deferred: they run together when the
-    first of their results is needed, and the steps that read them meanwhile (``lazy_ok``) wait
-    with them, as ``combine_collectives`` planned."""
+    """Run ``prog`` on local shards, in the order ``prog.order`` gives (``_combine``: the steps and
+    the combined collectives, each run once its operands exist), else step by step.
+    ``cache``/``alias``: shared with the caller for inlined calls."""
     env: dict = {}
     for v, c in zip(prog.jaxpr.constvars, prog.consts):
         env[v] = jnp.asarray(c)
@@ -1321,43 +1321,45 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
             v = alias[v]
         return v
 
-    groups = None
+    members: dict = {}  # combined collective -> [(boxing, the value it converts)]
     for st in prog.steps:
+        for bx in st.boxings:
+            if bx.group is not None:
+                members.setdefault(bx.group, []).append((bx, st.eqn.invars[bx.operand]))
+    for bx in prog.out_boxings:
+        if bx.group is not None:
+            members.setdefault(bx.group, []).append((bx, prog.jaxpr.outvars[bx.operand]))
+    order = prog.order if prog.order is not None else [("step", k) for k in range(len(prog.steps))]
+    for kind, k in order:
+        if kind == "group":
+            outs = run_group(prog.in_layouts[0].placement, [(bx, read(v)) for bx, v in members[k]])
+            for (bx, v), y in zip(members[k], outs):
+                cache[(key(v), bx.dst.nd_sbp)] = y  # read by the members' steps and later reuses
+            continue
+        st = prog.steps[k]
         keys = [v if isinstance(v, jcore.Literal) else key(v) for v in st.eqn.invars]
         ins = [read(v) for v in st.eqn.invars]
-        boxings = []
         for bx in st.boxings:
-            if bx.group is None:
-                boxings.append(bx)
-                continue
-            groups = groups or Groups(prog.in_layouts[0].placement)  # a member of a combined collective
-            ins[bx.operand] = groups.defer(bx, ins[bx.operand])
-            cache[(keys[bx.operand], bx.dst.nd_sbp)] = ins[bx.operand]  # for later readers' reuse
-        ins = _apply_boxings(ins, boxings, keys, cache)
+            if bx.group is not None:
+                ins[bx.operand] = cache[(keys[bx.operand], bx.dst.nd_sbp)]
+        ins = _apply_boxings(ins, [bx for bx in st.boxings if bx.group is None], keys, cache)
         if st.kind == "call":
             for sub_v, outer in zip(st.sub.jaxpr.invars, keys):
                 if not isinstance(outer, jcore.Literal):
                     alias[sub_v] = outer
-            run = lambda ins, st=st: run_program(st.sub, ins, cache, alias)  # noqa: E731
+            outs = run_program(st.sub, ins, cache, alias)
             _alias_outputs(alias, st.eqn.outvars, st.sub.jaxpr.outvars)
         else:
-            run = lambda ins, st=st: _EMIT[st.kind](st, ins)  # noqa: E731
-        if any(is_pending(x) for x in ins) and lazy_ok(st):
-            outs = later(run, ins, len(st.eqn.outvars))  # traced when one of its results is needed
-        else:
-            outs = run([force(x) for x in ins])
+            outs = _EMIT[st.kind](st, ins)
         for v, o in zip(st.eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
     outs = [read(v) for v in prog.jaxpr.outvars]
     keys = [v if isinstance(v, jcore.Literal) else key(v) for v in prog.jaxpr.outvars]
-    combined = [bx for bx in prog.out_boxings if bx.group is not None]  # (open groups' members too)
-    for bx in combined:
-        groups = groups or Groups(prog.in_layouts[0].placement)
-        outs[bx.operand] = groups.defer(bx, outs[bx.operand])
-    outs = [force(x) for x in outs]
-    # (a repeated output converted to one layout twice: the second reuses the first)
-    made = {(keys[bx.operand], bx.dst.nd_sbp): outs[bx.operand] for bx in combined}
+    made = {}
+    for bx in prog.out_boxings:
+        if bx.group is not None:  # (a repeated output converted to one layout twice reuses it)
+            made[(keys[bx.operand], bx.dst.nd_sbp)] = outs[bx.operand] = cache[(keys[bx.operand], bx.dst.nd_sbp)]
     return _apply_boxings(outs, [bx for bx in prog.out_boxings if bx.group is None], keys, made)
 
 
@@ -1371,10 +1373,6 @@ def _emit_prim(st: Step, ins):
     if not eqn.primitive.multiple_results:
         outs = [outs]
     return list(outs)
-
-
-def _emit_call(st, ins):
-    return run_program(st.sub, ins)
 
 
 def _emit_annotate(st, ins):
@@ -1415,7 +1413,7 @@ def _emit_cond(st, ins):
 
 
 _EMIT = {
-    "prim": _emit_prim, "call": _emit_call, "annotate": _emit_annotate, "linear_solve": _emit_linear_solve,
+    "prim": _emit_prim, "annotate": _emit_annotate, "linear_solve": _emit_linear_solve,
     "scan": _emit_scan, "while": _emit_while, "cond": _emit_cond,
 }
 
