@@ -187,8 +187,8 @@ def _schedule(prog) -> list[tuple[str, int]]:
             if not isinstance(v, jcore.DropVar):
                 producer[v] = k
     made_by: dict = {}  # (value, layout) -> the group converting it
-    members: dict = {}  # group -> [(step index or None for an output, value)]
-    for k, st in enumerate(steps):
+    members: dict = {}  # group -> the values its members convert
+    for st in steps:
         for bx in st.boxings:
             if bx.group is not None:
                 v = st.eqn.invars[bx.operand]
