@@ -53,6 +53,7 @@ from _common import fmt_coll  # noqa: E402  (benchmarks/ is on sys.path)
 
 import jsbp  # noqa: E402
 from jsbp import _compiler, _jit, _planner  # noqa: E402
+from jsbp._cost import estimate  # noqa: E402
 from jsbp.debug import count_collectives  # noqa: E402
 
 PLANNERS = ("search", "global")
@@ -212,6 +213,15 @@ def measure(make) -> dict:
             "by_kind": {k: v for k, v in coll.items() if v},
             "plan_s": sum(c[3] for c in cap.calls),
         }
+        # the cost model's figures as the program runs (``jsbp._cost``): bytes per device and
+        # collectives launched (a combined one once, a loop body's once per iteration)
+        ests = [estimate(c[2]) for c in cap.calls]
+        row[planner].update(
+            comm_bytes=sum(e.comm_bytes for e in ests),
+            launched=sum(e.collectives for e in ests),
+            compiled=sum(e.compiled_collectives for e in ests),
+            seconds=sum(e.seconds for e in ests),
+        )
     set_planner("search")
     return row
 
@@ -417,7 +427,9 @@ def main(argv=None) -> int:
     if args.record:  # merged into what the file already holds
         path = pathlib.Path(args.record)
         table = json.loads(path.read_text()) if path.exists() else {}
-        table.update({name: {"cost": r["search"]["cost"], "collectives": r["search"]["collectives"]}
+        keep = ("cost", "collectives", "comm_bytes", "launched", "seconds")
+        table.update({name: {**{k: r["search"][k] for k in keep},
+                             "global": {k: r["global"][k] for k in keep}}
                       for name, r in results.items()})
         path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     if args.json:

@@ -11,8 +11,8 @@ from . import env as env
 from . import numpy as numpy
 from . import sbp as sbp
 from ._auto import AutoLayouts as AutoLayouts
-from ._auto import CostModel as CostModel
 from ._auto import auto_layouts as auto_layouts
+from ._cost import CostModel as CostModel
 from ._errors import NoRuleWarning as NoRuleWarning
 from ._errors import PlacementError as PlacementError
 from ._errors import SbpError as SbpError

@@ -43,6 +43,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from ._boxing import blocks_first, collective_axes, collective_dtype, gathered_to_dim
+from ._program import iter_steps
 
 COMBINE_BUCKET_BYTES = 32 << 20
 """Most input bytes per device in one combined collective (DDP's buckets are 25 MiB)."""
@@ -60,8 +61,6 @@ def lazy_ok(st) -> bool:
         return True
     if st.kind != "call" or st.sub.out_boxings:
         return False
-    from ._compiler import iter_steps
-
     return all(not s.boxings and s.kind in ("prim", "annotate", "call") for _, s in iter_steps(st.sub))
 
 

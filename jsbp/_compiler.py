@@ -28,7 +28,6 @@ import gc
 import itertools
 import math
 import warnings
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +36,20 @@ from jax import lax
 from jax.extend import core as jcore
 
 from . import _planner, _repeat, _sbp
-from ._boxing import COLLECTIVE_LATENCY_BYTES, Move, plan, plan_cost, run_plan
+from ._boxing import COLLECTIVE_LATENCY_BYTES, plan, plan_cost, run_plan
 from ._combine import combine_collectives, run_group
 from ._errors import NoRuleWarning, SbpError
 from ._layout import Layout, layout_of
+from ._program import (
+    WHILE_TRIPS,
+    Boxing,
+    Program,
+    Step,
+    boxings_of,
+    iter_steps,
+    scan_counts,
+    subprograms,
+)
 from .rules import _registry
 from .rules._registry import RuleContext
 
@@ -50,52 +59,6 @@ B = _sbp.broadcast
 # -------------------------------------------------------------------------------------------
 # decisions
 # -------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Boxing:
-    operand: int
-    src: Layout
-    dst: Layout
-    moves: tuple[Move, ...]
-    reused: bool = False  # the same value was already boxed to ``dst`` earlier: no new communication
-    via: bool = False  # converts an earlier conversion of the value (to ``src``), not the value itself
-    group: int | None = None  # runs inside combined collective ``group`` (``_combine``)
-
-    @property
-    def collectives(self) -> list[str]:
-        return [] if self.reused else [m.collective for m in self.moves if m.collective]
-
-    @property
-    def bytes_per_device(self) -> float:
-        return 0.0 if self.reused else sum(m.bytes_per_device for m in self.moves)
-
-
-@dataclasses.dataclass
-class Step:
-    """One equation of the program with its chosen signature and the boxing of its inputs."""
-
-    eqn: Any
-    in_layouts: list[Layout]  # the layouts the op runs on (after boxing)
-    out_layouts: list[Layout]
-    boxings: list[Boxing]
-    rule: Any = None
-    sub: Any = None  # for call-like / control-flow: nested Program(s) and extra data
-    kind: str = "prim"  # prim | call | scan | while | cond | annotate | linear_solve
-
-
-@dataclasses.dataclass
-class Program:
-    jaxpr: Any
-    consts: list
-    in_layouts: list[Layout]
-    steps: list[Step]
-    out_layouts: list[Layout]
-    out_boxings: list[Boxing]  # boxing of outputs to requested layouts (may be empty)
-    # value -> the layout its readers are served from (``_Inference.hubs``: the global planner's)
-    hubs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    # the order of the top-level steps and combined collectives (``_combine``); None: step by step
-    order: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def _itemsize(aval) -> int:
@@ -985,11 +948,6 @@ def _loop_carry_options(inf, make_sub, carry_init, avals, free, outs_of, gives_b
     return options
 
 
-WHILE_TRIPS = 16
-"""The trip count ``_infer_loop_carry`` assumes for a ``while`` loop (unknown before it runs): a
-carry layout that costs a collective per iteration loses to one converted once after the loop."""
-
-
 _BODY_PLANS = contextvars.ContextVar("jsbp_body_plans", default=None)
 """Loop-body programs already planned in this ``infer`` call, by everything a plan depends on
 (``_body_program``): each forward pass of the enclosing program meets the loop again, and the
@@ -1022,16 +980,6 @@ def _body_program(inf: _Inference, jaxpr, consts, in_layouts, out_nd=None) -> Pr
     if plans is not None:  # (the entry holds the body and its constants: their ids stay theirs)
         plans[key] = (jaxpr, tuple(consts), prog)
     return prog
-
-
-def scan_counts(params) -> tuple[int, int]:
-    """How many operands of a ``scan`` equation are constants and how many the carry: the
-    ``num_consts`` / ``num_carry`` parameters up to JAX 0.10; from 0.11 the flat tree ``ft_in``
-    of (constants, carry, xs)."""
-    if "num_consts" in params:
-        return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].unpack()
-    return len(consts), len(carry)
 
 
 def _infer_scan(inf: _Inference, eqn, cur):
@@ -1423,20 +1371,6 @@ _EMIT = {
 # -------------------------------------------------------------------------------------------
 
 
-def subprograms(st: Step) -> list[Program]:
-    """The programs nested in a step (a call's, a scan / loop body, cond branches)."""
-    subs = st.sub if isinstance(st.sub, (list, tuple)) else ([st.sub] if st.sub is not None else [])
-    return [s for s in subs if isinstance(s, Program)]
-
-
-def iter_steps(prog: Program, depth=0):
-    """Yield (depth, step) for every step, nested programs included."""
-    for st in prog.steps:
-        yield depth, st
-        for s in subprograms(st):
-            yield from iter_steps(s, depth + 1)
-
-
 def _reduce_before_transposes(prog: Program, seen=None) -> None:
     """Move the reduction of a partial value to before the ``transpose`` that feeds it.
 
@@ -1511,21 +1445,6 @@ def program_cost(prog: Program, loops: bool = False) -> float:
     really moves: the planner's tie-breaking penalties on local moves are left out). ``loops``:
     a loop body's boxings count once per iteration (``boxings_of``), as they run; else once."""
     return sum(times * _moves_cost(bx.moves) for bx, times in boxings_of(prog, loops) if not bx.reused)
-
-
-def boxings_of(prog: Program, loops: bool = False, times: int = 1):
-    """(boxing, how many times it runs) for every boxing of ``prog``, nested programs included:
-    once each, or (``loops``) a loop body's once per iteration (a ``scan``'s ``length``,
-    ``WHILE_TRIPS`` for a ``while``)."""
-    for bx in prog.out_boxings:
-        yield bx, times
-    for st in prog.steps:
-        for bx in st.boxings:
-            yield bx, times
-        trips = 1 if not loops else st.eqn.params["length"] if st.kind == "scan" else \
-            WHILE_TRIPS if st.kind == "while" else 1
-        for sub in subprograms(st):
-            yield from boxings_of(sub, loops, times * trips)
 
 
 _COMPUTE_HEAVY = frozenset({"dot_general", "conv_general_dilated"})

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from . import _hooks, _sbp
-from ._compiler import iter_steps, subprograms
+from ._cost import estimate
+from ._program import iter_steps, subprograms
 from .debug._collectives import COLLECTIVES
 
 __all__ = ["explain", "Plan", "PlanRow", "BoxingRow"]
@@ -79,7 +80,7 @@ class Plan:
     rows: list[PlanRow]
     output_boxings: list[BoxingRow]
     placement: object
-    # the cost model's figures (``jsbp._auto.Estimate``): predicted step time and peak bytes per
+    # the cost model's figures (``jsbp._cost.Estimate``): predicted step time and peak bytes per
     # device (inputs + live intermediates); ``jsbp.debug.measured_bytes`` gives XLA's
     estimate: object = None
 
@@ -151,7 +152,6 @@ def plan_of_program(prog, placement) -> Plan:
             for b in s.out_boxings:
                 rows.append(PlanRow(depth + 1, "(carry/branch out)", (b and _sbp.nd_str(b.src.nd_sbp),), "",
                                     (_sbp.nd_str(b.dst.nd_sbp),), (_boxing_row(b),)))
-    from ._auto import estimate
 
     return Plan(rows, [_boxing_row(b) for b in prog.out_boxings], placement, estimate(prog))
 

@@ -24,7 +24,8 @@ from flax import nnx
 import jsbp
 import jsbp.flax as jflax
 from jsbp import sbp
-from jsbp._auto import _is_nd, estimate, measured_bytes
+from jsbp._auto import _is_nd
+from jsbp._cost import estimate, measured_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 S0, S1, B = sbp.split(0), sbp.split(1), sbp.broadcast
@@ -205,7 +206,7 @@ def test_nested_call_outputs_counted_once(plc):
     intermediates is the same either way: a call's outputs are part of its body's peak, not added
     on top of it (they were counted twice, and under JAX 0.11 the GPT of ``test_flax_auto_*`` fit
     no quarter budget: 145 KiB of intermediates predicted instead of 115)."""
-    from jsbp._auto import _intermediate_peak, _updates
+    from jsbp._cost import _intermediate_peak, _updates
 
     p, opt = _init()
     put = lambda a: jsbp.to_global(a, placement=plc, sbp=(S0,))  # noqa: E731

@@ -12,7 +12,7 @@ The search space is the strategies written by hand (``examples/train_gpt.py``), 
   optimizer state, + gradients, + parameters split over ``dp``).
 
 Every candidate is a ``Strategy``; its train step is planned by jsbp (abstract state: nothing
-is put on devices, nothing compiled) and costed with ``jsbp._auto.estimate`` (collectives +
+is put on devices, nothing compiled) and costed with ``jsbp._cost.estimate`` (collectives +
 compute, predicted peak bytes per device). The tensor-parallel choice is a greedy walk on the
 pure ``tp`` grid (add one name — or one leaf's split — at a time while the step gets cheaper),
 reused on the mixed grids; the ZeRO stage is tried exhaustively on every grid with a ``dp`` axis.
@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from .. import _sbp
-from .._auto import DEFAULT_COST, CostModel, Estimate, estimate, fmt_bytes, parse_bytes
+from .._cost import DEFAULT_COST, CostModel, Estimate, estimate, fmt_bytes, parse_bytes
 from .._errors import SbpError
 from .._layout import layout_of
 from .._placement import placement as Placement

@@ -221,7 +221,7 @@ class Strategy:
 
         Raises ``SbpError`` when no candidate fits the budget, naming the smallest peak found.
         """
-        from .._auto import DEFAULT_COST
+        from .._cost import DEFAULT_COST
         from ._auto import auto_strategy
 
         return auto_strategy(

@@ -300,7 +300,7 @@ class TrainStep:
         from the local shards), XLA's figures for the compiled step (``jsbp.debug.measured_bytes``:
         ``in_place`` is the step with its state updated in place) and, for a strategy chosen by
         ``Strategy.auto``, the ``predicted`` peak and ``predicted_state``."""
-        from .._auto import measured_bytes
+        from .._cost import measured_bytes
         from ._state import local_nbytes
 
         if self.strategy is None:

@@ -1,0 +1,133 @@
+"""Combined collectives and the order a program runs in (``jsbp/_combine.py``).
+
+The combining pass decides which conversions run as one collective and in which order the
+program's steps and those collectives run (``Program.order``); the emitter runs that order. Each
+test checks the order is a valid schedule of the program's data (every value made before it is
+read, every group after its members' operands and before its readers), the values against NumPy,
+and the compiled collectives against ``explain``.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jcore
+
+import jsbp
+
+P4 = jsbp.placement("cpu", [0, 1, 2, 3])
+R24 = jsbp.placement("cpu", [[0, 1, 2, 3], [4, 5, 6, 7]], axis_names=("dp", "tp"))
+RNG = np.random.default_rng(0)
+
+
+def _addends(shape, plc):
+    """A P global tensor with a different random addend on every device, and its value."""
+    locs = [RNG.standard_normal(shape).astype(np.float32) for _ in range(plc.size)]
+    return jsbp.from_local(locs, placement=plc, sbp=("P",) * plc.ndim), sum(np.asarray(x, np.float64) for x in locs)
+
+
+def _check_order(prog):
+    """``prog.order`` runs every top-level step once, each after the steps making its operands and
+    the groups whose results it reads; each group after the steps making its members' operands.
+    Returns the number of groups."""
+    order = prog.order
+    assert order is not None
+    at = {item: i for i, item in enumerate(order)}
+    assert len(at) == len(order)
+    assert sorted(k for kind, k in order if kind == "step") == list(range(len(prog.steps)))
+    made = {}
+    for k, st in enumerate(prog.steps):
+        for v in st.eqn.outvars:
+            if not isinstance(v, jcore.DropVar):
+                made[v] = at[("step", k)]
+    members: dict = {}
+    for k, st in enumerate(prog.steps):
+        here = at[("step", k)]
+        for v in st.eqn.invars:
+            if not isinstance(v, jcore.Literal) and v in made:
+                assert made[v] < here, (st.eqn, "reads a value made later")
+        for bx in st.boxings:
+            if bx.group is not None:
+                assert at[("group", bx.group)] < here, (st.eqn, "reads its group's result before it runs")
+                members.setdefault(bx.group, []).append(st.eqn.invars[bx.operand])
+    for bx in prog.out_boxings:
+        if bx.group is not None:
+            members.setdefault(bx.group, []).append(prog.jaxpr.outvars[bx.operand])
+    for g, vs in members.items():
+        for v in vs:
+            if v in made:
+                assert made[v] < at[("group", g)], (g, "runs before a member's operand is made")
+    assert {k for kind, k in order if kind == "group"} == set(members)
+    return len(members)
+
+
+@pytest.mark.parametrize("plc", [P4, R24], ids=["4", "2x4"])
+def test_gradients_read_whole_run_as_one_collective_in_a_valid_order(plc):
+    """Partial sums read whole by ops that can wait (an optimizer's ``g * g``) and one made from a
+    result of the group (it must run after it): the order holds the group before its readers, the
+    values are NumPy's and the compiled program has the collectives ``explain`` lists."""
+    (g1, r1), (g2, r2), (g3, r3) = (_addends(s, plc) for s in [(8, 4), (4,), (8, 8)])
+    xv = RNG.standard_normal((8, 4)).astype(np.float32)
+    x = jsbp.tensor(xv, placement=plc, sbp=("S(0)",) + ("B",) * (plc.ndim - 1))
+
+    def f(g1, g2, g3, x):
+        out = [g1 * g1, jnp.tanh(g2), jnp.tanh(g3.T)]
+        late = (x * out[0].sum()).sum(0)  # made from the group's result: converted after it
+        return (*out, jnp.tanh(late))
+
+    args = (g1, g2, g3, x)
+    jf = jsbp.jit(f)
+    got = jf(*args)
+    refs = [r1 * r1, np.tanh(r2), np.tanh(r3.T)]
+    refs.append(np.tanh((xv * refs[0].sum()).sum(0)))
+    for o, ref in zip(got, refs):
+        np.testing.assert_allclose(o.numpy(), ref, rtol=1e-5, atol=1e-5)
+    prog = jf.lower_program(*args).program
+    plan = jsbp.explain(f, *args)
+    groups = _check_order(prog)
+    assert groups == len({b.combined for b in plan.boxings() if b.combined is not None}), str(plan)
+    assert jsbp.debug.count_collectives(jf, *args) == plan.collectives()
+    if plc is P4:  # the three partial sums' all-reduces: one collective
+        assert groups == 1 and sum(b.combined is not None for b in plan.boxings()) == 3, str(plan)
+
+
+def test_a_program_without_combined_collectives_runs_step_by_step():
+    """Nothing to combine: the order is the program's own."""
+    x = jsbp.tensor(RNG.standard_normal((8, 4)).astype(np.float32), placement=P4, sbp="S(0)")
+    jf = jsbp.jit(lambda x: jnp.tanh(x).sum(0))
+    prog = jf.lower_program(x).program
+    assert prog.order == [("step", k) for k in range(len(prog.steps))]
+    np.testing.assert_allclose(jf(x).numpy(), np.tanh(x.numpy()).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_a_data_parallel_train_step_runs_its_order():
+    """An MLP's data-parallel SGD step: the gradients' all-reduces run as one collective, placed
+    after every gradient is made and before the first update reads one. Parameters after one
+    step as plain JAX's on one device."""
+    import jax
+
+    ws = [RNG.standard_normal(s).astype(np.float32) * 0.3 for s in [(6, 16), (16,), (16, 3), (3,)]]
+    xv = RNG.standard_normal((16, 6)).astype(np.float32)
+    yv = RNG.standard_normal((16, 3)).astype(np.float32)
+
+    def loss(params, x, y):
+        w1, b1, w2, b2 = params
+        h = jnp.tanh(x @ w1 + b1)
+        return jnp.mean((h @ w2 + b2 - y) ** 2)
+
+    def step(params, x, y):
+        g = jax.grad(loss)(params, x, y)
+        return [p - 0.1 * gi for p, gi in zip(params, g)]
+
+    params = [jsbp.tensor(w, placement=P4, sbp="B") for w in ws]
+    x = jsbp.tensor(xv, placement=P4, sbp="S(0)")
+    y = jsbp.tensor(yv, placement=P4, sbp="S(0)")
+    jf = jsbp.jit(step, out_sbp="B")
+    got = jf(params, x, y)
+    want = jax.jit(step)([jnp.asarray(w) for w in ws], xv, yv)
+    for o, ref in zip(got, want):
+        np.testing.assert_allclose(o.numpy(), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    prog = jf.lower_program(params, x, y).program
+    assert _check_order(prog) >= 1
+    counts = jsbp.debug.count_collectives(jf, params, x, y)
+    assert counts == jsbp.explain(jf, params, x, y).collectives()
+    assert counts["all-reduce"] == 1, counts
