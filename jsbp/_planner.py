@@ -66,10 +66,10 @@ own (like ``_boxing._ZERO_FILL_COST``); slicing an operand to save less work tha
 worth it."""
 
 STICKY_BYTES = 8192.0
-"""Charged for each equation whose signature differs from the search's plan: the global plan
-departs from the search's only for a gain larger than this per changed equation, so that a few bytes
-do not swap one collective for another of the same count (an all-gather of an activation for
-the all-reduce of a small gradient) and plans keep the shape users expect."""
+"""Byte-equivalents charged for each equation whose signature differs from the search's plan: the
+global plan departs from the search's only for a gain larger than this per changed equation, so
+that a few bytes do not swap one collective for another of the same count (an all-gather of an
+activation for the all-reduce of a small gradient) and plans keep the shape users expect."""
 
 ANCHOR_BYTES = float(1 << 40)
 """Charged for a conversion of a program input (parameter, optimizer state, batch) that needs a
@@ -1524,9 +1524,9 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
       (``by_axis``) from ``start``, and graph reduction (``_Pairwise``) only where ``by_axis``
       improved nothing; neither is polished by descent (on the benchmark's programs that never
       made a plan cheaper, at up to a second a pass).
-    * Otherwise (a 1-d placement, or the exact solver had no answer): descent (``descend``) from
-      ``start``, then graph reduction; up to ``DESCEND_MAX_NODES`` nodes each answer is polished
-      by descent as well."""
+    * Otherwise (a 1-d placement, or the exact solver had no answer): graph reduction; up to
+      ``DESCEND_MAX_NODES`` nodes also descent (``descend``) from ``start`` and from each
+      answer."""
     small = prob.nodes and _exact_fits(prob)
     if small and (got := solve_ilp(prob, incumbent=objective(prob, start, hubs=False))) is not None:
         return got if objective(prob, got) < objective(prob, start) - 1e-6 else start
