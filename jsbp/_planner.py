@@ -1,29 +1,36 @@
-"""The global planner: every top-scope signature of a program chosen at once.
+"""The global planner (``JSBP_PLANNER=global``): every signature of a program chosen at once.
 
-``_compiler._search`` chooses signatures one equation at a time and then corrects itself with
-lookahead passes. This module states the choice as one optimisation over the whole inlined
-program (see ``docs/planner.md``) and solves it:
+``_compiler._search`` (the default) chooses signatures one equation at a time and then corrects
+itself with lookahead passes. This module states the choice as one optimisation over the whole
+inlined program (see ``docs/planner.md``) and solves it:
 
-* **variables**: one binary ``x[u, s]`` per equation ``u`` and candidate signature ``s`` (the
-  rule's legal nd signatures, ``_Inference.candidates``); exactly one per equation. A value's
-  layout is its producer's chosen output nd-sbp.
-* **edge costs**: boxing a value from its producer's layout ``σ`` to a layout ``τ`` some consumer
-  needs costs ``_moves_cost(plan(σ, τ))`` (bytes per device plus a latency per collective: the
-  boxing planner's own model), once per (value, target layout) however many consumers share it,
-  as the compiler's conversion cache does (``_Inference.box_value``).
+* **variables**: one binary ``x[u, s]`` per node ``u`` and candidate ``s``; exactly one per node.
+  A node is an equation of the program or of an inlined call (its candidates: the rule's legal
+  nd signatures, ``_Inference.candidates``), an equation of an inlined ``scan`` / ``while`` /
+  ``cond`` body (``_inline_loop``, ``_inline_cond``), or a boundary node joining such a body to
+  the enclosing program (its candidates: every layout the boundary value may take). A value's
+  layout is its producer's chosen output nd-sbp, or fixed.
+* **edge costs** (``Problem.edge``): boxing a value from its producer's layout ``σ`` to a layout
+  ``τ`` some consumer needs costs the boxing planner's figure (``_boxing.move_cost``: bytes per
+  device plus ``COLLECTIVE_LATENCY_BYTES`` per collective) plus, per local move,
+  ``LOCAL_MOVE_BYTES`` and a copy of the smallest piece, once per (value, target layout) however
+  many consumers share it, as the compiler's conversion cache does (``_Inference.box_value``); a
+  loop body's conversions count once per iteration.
 * **node costs**: compute, ``COMPUTE_BYTES_PER_FLOP`` times the work a device does (``_work``):
-  a signature that repeats a matmul on every device pays for it.
-* **constraints**: program inputs and constants keep their layouts; ``out_sbp`` outputs, ``to_global``
-  annotations and JAX sharding requests are fixed targets; scan / while / cond steps keep the
-  layouts the reference pass gave them (their bodies are planned by the compiler, given those).
+  a signature that repeats a matmul on every device pays for it; ``STICKY_BYTES`` for leaving
+  the search's choice (``search``).
+* **constraints**: program inputs and constants keep their layouts (``ANCHOR_BYTES`` on
+  converting an input with a collective); ``out_sbp`` outputs, ``to_global`` annotations and
+  JAX sharding requests are fixed targets.
 
-Solved exactly (``solve_ilp``: HiGHS, its linear relaxation where that comes out integral, else
-``scipy.optimize.milp``) when the problem is small; on a 2-d placement where it is not, exactly
-one placement axis at a time (``by_axis``: every node's signature on one axis chosen at once, the
-other axes held); and by OneFlow-style graph reduction (``_Pairwise``: leaves folded, chains
-collapsed, parallel edges merged) and descent (``descend``) at any size. Repeated identical layers are solved once where the whole problem is
-too large for the exact solver: equations of one role (``roles``) share one node of the problem
-of roles (``quotient``), whose answer is copied to every copy. The decisions are handed back to
+Solved (``solve``) exactly when the problem is small (``solve_ilp``: HiGHS, its linear
+relaxation where that comes out integral, else ``scipy.optimize.milp``). Where it is not:
+repeated identical layers are solved once (equations of one role, ``roles``, share one node of
+the problem of roles, ``quotient``, whose answer is copied to every copy), and a problem still
+too large is solved on a placement of two or more axes exactly one axis at a time (``by_axis``:
+every node's signature on one axis chosen at once, the other axes held), else by OneFlow-style
+graph reduction (``_Pairwise``: leaves folded, chains collapsed, parallel edges merged) and
+descent (``descend``). The decisions are handed back to
 the compiler's forward pass (``_Inference.fixed``), which builds an ordinary ``Program`` from them
 — every candidate it follows is legal for the layouts it sees, so a plan can be costly but never
 wrong.
@@ -59,10 +66,10 @@ own (like ``_boxing._ZERO_FILL_COST``); slicing an operand to save less work tha
 worth it."""
 
 STICKY_BYTES = 8192.0
-"""Charged for each equation whose signature differs from the search's plan: the global plan
-departs from today's only for a gain larger than this per changed equation, so that a few bytes
-do not swap one collective for another of the same count (an all-gather of an activation for
-the all-reduce of a small gradient) and plans keep the shape users expect."""
+"""Byte-equivalents charged for each equation whose signature differs from the search's plan: the
+global plan departs from the search's only for a gain larger than this per changed equation, so
+that a few bytes do not swap one collective for another of the same count (an all-gather of an
+activation for the all-reduce of a small gradient) and plans keep the shape users expect."""
 
 ANCHOR_BYTES = float(1 << 40)
 """Charged for a conversion of a program input (parameter, optimizer state, batch) that needs a
@@ -71,11 +78,12 @@ batch: data parallel; split weights: Megatron); by communication alone, gatherin
 and computing the whole step on every device is often "cheaper" than reducing the gradients.
 Like the anchored seed of ``_compiler._search``, the plan keeps inputs as given wherever some
 signature can read them so (a consumer that cannot pays the same charge whatever it chooses),
-and ``search`` still returns today's plan where that costs less."""
+and ``search`` still returns the search's plan where that costs less."""
 
 ILP_MAX_VARS = 6_000
-"""Programs with at most this many candidate signatures in all are also solved as a mixed-integer
-program (``solve_ilp``); larger ones only by graph reduction and descent."""
+"""Problems with at most this many candidate signatures in all (summed over the nodes) are solved
+exactly (``solve_ilp``); larger ones through the problem of roles, one placement axis at a time
+(``by_axis``) or by graph reduction and descent (``solve``, ``_solve_direct``)."""
 
 ILP_NODE_LIMIT = 200
 """Branch-and-bound nodes HiGHS may explore: a work limit, not a time limit, so that the plan
@@ -85,10 +93,9 @@ any other (``solve`` keeps the cheapest)."""
 MILP_MIN_GAIN = COLLECTIVE_LATENCY_BYTES
 """``solve_ilp`` goes on to branch and bound (``milp``) after a fractional relaxation only where
 the relaxation leaves room for a plan cheaper than the best known by at least this much (one
-collective's fixed cost). On the benchmark's 43 programs ``milp`` had run twice and improved
-neither plan (the zoo's MoE step under dp=8 spent 3.8 s proving its start optimal, after a
-relaxation 0.28 MB-eq below it; under ZeRO-3 0.6 s for an answer dearer than its start); with
-this rule it runs on none of them, and their plans are the same."""
+collective's fixed cost, byte-equivalents). Branch and bound can spend seconds proving that a
+known plan is optimal when the relaxation is only a little below it; a gain smaller than one
+collective is not worth that."""
 
 ILP_JOINT_MAX = 1024
 """``solve_ilp`` models a value with one reader by the joint (producer layout, reader layout)
@@ -155,9 +162,10 @@ class Problem:
         return table
 
     def edge(self, v: Value, src, dst) -> float:
-        """The cost of boxing ``v`` from ``src`` to ``dst``: ``_boxing.plan_cost``, i.e. bytes
-        per device plus a latency per collective (``_compiler._moves_cost``) plus the boxing
-        planner's small charge per local move."""
+        """The cost of boxing ``v`` from ``src`` to ``dst``, times ``v.weight``: the boxing
+        planner's cost (bytes per device, ``COLLECTIVE_LATENCY_BYTES`` per collective and its small
+        charge per local move), plus ``LOCAL_MOVE_BYTES`` and a copy of the smallest piece per
+        local move, plus ``ANCHOR_BYTES`` for a program input converted by a collective."""
         if src == dst:
             return 0.0
         table = self.table(v)
@@ -209,7 +217,9 @@ def _work(eqn, cands, hierarchy) -> np.ndarray:
 
 def build(inf, prog, jaxpr, out_nd, weights=None) -> Problem:
     """The problem of ``prog``, a program ``inf`` (a reference forward pass) built: its top-scope
-    equations (inlined calls included) with the candidates ``inf`` recorded for them.
+    equations (inlined calls included) with the candidates ``inf`` recorded for them, and its
+    ``scan`` / ``while`` / ``cond`` steps inlined (``_inline_loop``, ``_inline_cond``). ``out_nd``:
+    the layouts asked of the outputs (fixed targets); the program's inputs are anchored.
 
     ``weights`` (a reduced program, ``_repeat``): id(equation) -> how many equations of the whole
     program it stands for (the last head copy of a block: itself and every removed copy). Its
@@ -652,15 +662,13 @@ def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = Fals
 
     A value with a producer and readers is written by joint choices instead (``_joint_rows``)
     where there are at most ``ILP_JOINT_MAX`` (layout made, layout read) pairs: a tighter
-    relaxation, solved at or near the root (loop bodies of 51 equations: 9 s -> 0.7 s; the
-    1-block TP GPT step 1.6 -> 1.1 s).
+    relaxation, usually integral at the root.
 
-    ``quick`` (``by_axis``'s many sub-problems): the relaxation alone; None where it is fractional
-    (``milp`` spent 3-4 s at the root of the MoE step's sub-problems, for a plan 14 % cheaper
-    than the rest of the solver's). ``incumbent``: the objective (``hubs=False``) of the best
-    choice known; None, too, where the relaxation bounds every plan within ``MILP_MIN_GAIN`` of
-    it. HiGHS runs without its presolve (on these problems up to twice as fast without: the
-    LSTM step's loop bodies under dp2 x tp4, 2.0 -> 1.2 s over 13 solves).
+    ``quick`` (``by_axis``'s sub-problems, one per placement axis): the relaxation alone; None
+    where it is fractional (branch and bound on a sub-problem as large as the program can take
+    seconds). ``incumbent``: the objective (``hubs=False``) of the best choice known; None, too,
+    where the relaxation bounds every plan within ``MILP_MIN_GAIN`` of it. HiGHS runs without
+    its presolve, which on these problems costs more than it saves.
     """
     try:  # scipy is optional (``pip install jsbp[planner]``): without it, descent and reduction
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -809,9 +817,8 @@ def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit):
     """(solution, value) of ``solve_ilp``'s linear relaxation: the solution when every integer
     variable comes out 0 or 1 (then it is optimal for the mixed-integer program as well), else
     None; the value, a lower bound on the program's (-inf if HiGHS found none). With the joint
-    rows the relaxation is usually integral already, and HiGHS's simplex alone takes less than
-    half of what ``milp`` spends around the same LP (presolve, cuts, heuristics): the 24-block TP
-    GPT step's problem of roles, 41 121 variables, 0.39 s against 0.92 s. A fractional
+    rows the relaxation is usually integral already, and HiGHS's simplex alone takes about half
+    of what ``milp`` spends around the same LP (presolve, cuts, heuristics). A fractional
     relaxation may be solved again inside ``milp`` (``MILP_MIN_GAIN``)."""
     from scipy.optimize import linprog
     from scipy.sparse import vstack
@@ -834,7 +841,7 @@ def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):
     the reader's (``sum_σ w[σ, τ]`` = its candidates reading ``τ``); a conversion
     ``W[σ, τ] >= w[σ, τ]`` (``>= l_σ`` for a fixed target), paid once however many readers
     share it. Tighter than the rows per target, where in the relaxation one σ could serve every
-    τ at once (a 51-equation loop body took HiGHS 10 s, now 1 s). A τ that one reader alone
+    τ at once (a fractional relaxation, then long branch and bound). A τ that one reader alone
     asks for (and no fixed target) has no ``W``: ``w[σ, τ]`` carries its cost. ``mat``: the constraint lists
     (rows, cols, data, lo, hi); ``var``: the new variables' (cost, lb, ub) lists. Returns the next
     row and variable indices."""
@@ -862,7 +869,7 @@ def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):
         r += 1
 
     # a τ that one reader alone asks for needs no W: that reader's w carries the cost (W = w at
-    # the optimum); 72 % of the W rows of the DPxTP GPT step's ``by_axis`` problems
+    # the optimum); most of the W rows of a ``by_axis`` sub-problem are of this kind
     asked = Counter([t for per in readers for t in per] + list(val.shared))
     edge = {(sigma, tau): c for tau in asked for sigma in sig if (c := prob.edge(val, sigma, tau))}
     paid_once = [pair for pair in edge if asked[pair[1]] > 1 or pair[1] in val.shared]
@@ -909,8 +916,8 @@ def descend(prob: Problem, choice: list[int], max_visits: int = 20) -> list[int]
     of roles (``quotient``) they are not its operands alone: a role reads, at one position, every
     value any of its members reads there (the first block copy's input is the embedding's output,
     the others' the previous block's). Read from the operands (the members' most common reads)
-    instead, a descent step on the 2- to 24-block DPxTP GPT steps raised the objective it lowers
-    by a collective at a time (one at 24 blocks: 1034 -> 1114 MB-eq)."""
+    instead, a descent step would cost a candidate against the wrong reads and could raise the
+    objective it is meant to lower."""
     nodes, values = prob.nodes, prob.values
     choice = list(choice)
     reads = _reads_at(prob)
@@ -1317,17 +1324,21 @@ def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[i
 def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cache=None, all_plans=False,
            weights=None):
     """The globally planned ``Program`` of ``jaxpr`` (``_compiler.infer``'s planner when
-    ``JSBP_PLANNER=global``).
+    ``JSBP_PLANNER=global``); the arguments are ``_compiler._search``'s.
 
-    A reference forward pass (the search's best) records every top-scope equation with its
-    candidates (a loop whose carry has a choice and a ``cond`` with theirs: the boundary layouts,
-    each costing its bodies' plans) and fixes what the global choice leaves alone (a loop whose
-    body gives its carry back). The problem is solved, and a second forward pass follows the chosen
-    signatures (``_Inference.fixed``). Where the chosen layouts change which equations exist (an
-    ``argmax`` over a dim that is now split is decomposed, an inlined call's rule looks at other
-    layouts), the forward pass decides those equations itself; a further round re-plans from that
-    pass while the modelled cost drops. ``all_plans``: every plan made, the search's first,
-    unranked (``_repeat`` ranks them for the whole program a reduced one stands for);
+    The search's plan and the forward pass that made it (``_search_pass``) are the reference:
+    the pass recorded every top-scope equation with its candidates, and ``build`` makes the
+    problem from them, loop and ``cond`` bodies inlined. The problem is solved from the search's
+    choice (``solve``; ``STICKY_BYTES`` on every other candidate), and a new forward pass follows
+    the decisions (``_Inference.fixed`` / ``hubs``). Where the chosen layouts change which
+    equations exist (an ``argmax`` over a dim that is now split is decomposed, an inlined call's
+    rule looks at other layouts) that pass decides those equations itself, and the next round
+    (at most ``ROUNDS``) plans again from it.
+
+    Returns, among the search's plan and each round's plan that costs no more than it by
+    ``program_cost`` (loop bodies once per iteration), the cheapest by ``combined_cost``; ties:
+    the search's, then the earlier round's. ``all_plans``: every plan made instead, the search's
+    first, unranked (``_repeat`` ranks them for the whole program a reduced one stands for);
     ``weights``: how many equations of that whole program each equation stands for (``build``)."""
     from ._compiler import _Inference, _search_pass, program_cost
 
@@ -1369,13 +1380,13 @@ def combined_cost(prog, loops: bool = False) -> float:
     once per iteration, ``_compiler.boxings_of``).
 
     ``program_cost`` (and the objective) charge every collective a latency, but ``_combine`` runs
-    the gradients' reduce-scatters (ZeRO-2/3) and the parameters' all-gathers (ZeRO-3) as a few
-    combined collectives. Ranked by ``program_cost`` alone, the global plan of ``tests/test_flax.py``'s
-    dp=8 GPT traded those for all-gathers (and an all-to-all) of activations, with the weight
-    gradients computed whole on every device: 5 compiled collectives instead of 2 under ZeRO-3,
-    25 instead of 22 under ZeRO-2, and ~1.7x the bytes. Discounting combinable conversions in the
-    objective instead made the solver propose plans that ``program_cost`` then rejected whole
-    (the DPxTP GPT step: 31 collectives instead of 29)."""
+    the gradients' all-reduces and reduce-scatters and ZeRO-3's parameter all-gathers as a few
+    combined collectives. Ranked by ``program_cost`` alone, a plan that trades those for fewer,
+    uncombinable collectives of activations (the weight gradients computed whole on every
+    device) wins, though it runs more collectives and moves more bytes. (The objective does not
+    discount combinable conversions: which conversions combine is known only once the plan is
+    made, and a discount made the solver propose plans that ``program_cost`` then rejected.)
+    Mutates ``prog`` as ``infer`` would; pass a copy to leave it alone."""
     from ._compiler import _reduce_before_transposes, boxings_of, combine_collectives
 
     _reduce_before_transposes(prog)
@@ -1412,10 +1423,7 @@ def solve(prob: Problem, start: list[int]) -> list[int]:
     solved directly (``_solve_direct``: exactly where small, else by graph reduction) or, for a
     program with repeated layers too large for the exact solver, its problem of roles (``roles``,
     ``quotient``: each repeated block once) solved so and the answer copied to every copy. The
-    problem of roles does not grow with the depth; the whole problem's graph reduction, which it
-    replaces there, did (and found a plan of lower ``objective`` on the deep DPxTP GPT steps,
-    1.118e9 against 1.138e9 at 24 blocks, that lost to the search's plan once collectives are
-    combined all the same: the same program either way, 2.7 s sooner)."""
+    problem of roles does not grow with the model's depth; solving the whole problem does."""
     best, best_obj = start, objective(prob, start)
     proposals = []
     # only where the exact solver cannot take the whole problem
@@ -1435,10 +1443,9 @@ def solve(prob: Problem, start: list[int]) -> list[int]:
 
 AXIS_SWEEPS = 1
 """Sweeps of ``by_axis`` over the placement's axes at most. More sweeps go on until each axis is
-optimal given the others; on the benchmark's 43 programs the second sweep (on the GPT steps: the
-model axis solved again after the data axis changed) never found a cheaper plan, and it cost
-3.4 s of their 20.8 s of global planning (session 23). A sub-problem as large as the program is
-one HiGHS solve (0.1-0.6 s at 24 blocks)."""
+optimal given the others; one, because each sweep is one HiGHS solve per axis of a sub-problem
+as large as the program, and on ``benchmarks/planner.py``'s programs a second sweep never found
+a cheaper plan."""
 
 
 def restrict(prob: Problem, keep: list[list[int]], values: dict | None = None) -> Problem:
@@ -1457,19 +1464,14 @@ def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[
     has about the square root of the candidates of the whole (which the exact solver cannot
     take on a 2-d placement: a GPT block's step has 795 292 LP variables). A sub-problem with
     more than ``ILP_MAX_VARS`` candidates, or whose linear relaxation is fractional
-    (``solve_ilp``'s ``quick``), is skipped. On the benchmark's 2-d programs
-    (``docs/benchmarks_planner.md``, session 18) it made the un-hinted DPxTP GPT step 21 %
-    cheaper (29.48 -> 23.19 MB-eq), the CNN's and the test suite's hybrid step about half, and
-    no program costlier.
+    (``solve_ilp``'s ``quick``), is skipped. Returns a choice whose ``objective`` (without hubs)
+    is no higher than ``start``'s.
 
     The axis with the most devices goes first (ties: the later axis, on a placement written
-    (data, model) the model axis). Sweeping until nothing changes, any order ends where each
-    axis is optimal given the others, but not always at the same plan nor after as many solves:
-    on (2, 4) the GPT steps reached the same plans as with the first axis first in three solves
-    instead of four (24 blocks: 1.84 instead of 2.3 s in all); of the other 42 benchmark programs
-    one got cheaper (the test suite's hybrid step, 8 -> 7 collectives) and one dearer (the zoo's
-    CNN under dp2 x tp4, 8.54 -> 10.53 MB-eq; the search's 18.90). With one sweep
-    (``AXIS_SWEEPS``) a 2-d placement takes two solves, and the 43 plans cost the same."""
+    (data, model) the model axis). Swept until nothing changes, any order ends where each axis
+    is optimal given the others, but not always at the same plan nor after as many solves; this
+    order reaches the data-times-model GPT steps' plans in the fewest solves. With one sweep
+    (``AXIS_SWEEPS``) a 2-d placement takes two solves."""
     ndim = len(prob.hierarchy)
     # per node, per axis: each candidate's signature on every other axis (what a step holds)
     held = []
@@ -1512,19 +1514,19 @@ def _exact_fits(prob: Problem) -> bool:
 
 
 def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
-    """Exact (``solve_ilp``) when the problem is small: its answer is final (the descent and
-    graph reduction that used to follow it never beat it on the benchmark's programs, loop
-    bodies included: 76 small problems, all 43 plans the same without them, their planning
-    24.3 -> 21.4 s). Else exact one placement axis at a time (``by_axis``, on 2-d placements);
-    graph reduction (``_Pairwise``) on a 1-d problem, where the exact solver has no answer and
-    where ``by_axis`` improves nothing (on the benchmark's 2-d programs it never beat
-    ``by_axis``: skipping it there left all 43 plans the same, the 1-block DPxTP GPT step planned
-    ~1 s sooner); on a 1-d problem, descent (``descend``) from the start and polishing each
-    answer up to ``DESCEND_MAX_NODES``; the start when nothing beats it. ``by_axis`` starts from
-    the start itself, not from a descent of it: on the benchmark's 43 programs and its 1-24-block
-    timing rows it ends at the same plans either way, one descent (~0.07 s at 24 blocks) sooner;
-    nor is its answer descended from (on the 43 programs that never found a cheaper plan either:
-    1.6 s of their 22.2 s of global planning, session 23)."""
+    """The best choice found for ``prob`` itself (no problem of roles); ``start`` when nothing
+    beats it by ``objective``.
+
+    * Small enough for the exact solver (``_exact_fits``): ``solve_ilp``'s answer, final where
+      it has one (descent and graph reduction never improved an exact answer on the benchmark's
+      programs).
+    * Too large, on a placement of two or more axes: exact one placement axis at a time
+      (``by_axis``) from ``start``, and graph reduction (``_Pairwise``) only where ``by_axis``
+      improved nothing; neither is polished by descent (on the benchmark's programs that never
+      made a plan cheaper, at up to a second a pass).
+    * Otherwise (a 1-d placement, or the exact solver had no answer): graph reduction; up to
+      ``DESCEND_MAX_NODES`` nodes also descent (``descend``) from ``start`` and from each
+      answer."""
     small = prob.nodes and _exact_fits(prob)
     if small and (got := solve_ilp(prob, incumbent=objective(prob, start, hubs=False))) is not None:
         return got if objective(prob, got) < objective(prob, start) - 1e-6 else start

@@ -16,7 +16,9 @@ Finding the copies (``_Repeats``):
    program order are the ones the passes meet.
 2. *Runs*: each equation gets a kind (primitive, parameters and operand / result types:
    ``_compiler._eqn_key``); a run is a stretch where the kinds repeat with some period ``p``
-   for at least ``MIN_COPIES`` periods. Runs are taken largest first, without overlap.
+   (at least ``MIN_PERIOD``; the ``MAX_PERIODS`` most frequent distances between equations of
+   one kind are tried) over at least ``MIN_COPIES`` copies. Runs are taken largest first,
+   without overlap.
 3. *Copies*: within a run, equation ``i`` and ``i + p`` are copies of each other, and so are
    their operands and results, position by position. A run must agree with itself (a value is
    never the copy of two different values) and with the runs taken before it, or run the other
@@ -26,7 +28,14 @@ Finding the copies (``_Repeats``):
    (``_align``: the forward and the backward runs start at different places in a layer).
 5. *Reduce*: the middle copies are removed. A kept equation that read a removed value reads the
    matching value of the kept copy as many kept copies away instead (copy ``HEAD - 1``'s
-   output feeds the tail copy, the tail copy's gradient feeds copy ``HEAD - 1``).
+   output feeds the tail copy, the tail copy's gradient feeds copy ``HEAD - 1``). The program is
+   planned whole instead when less than ``MIN_REMOVED`` of its equations would go, or a removed
+   value has no kept copy made before its reader.
+
+The planner is told how many equations of the whole program each kept one stands for
+(``weights``: copy ``HEAD - 1`` counts for itself and every copy it stands in for), so that the
+global planner weighs a block against the model's ends as the whole program does; where it
+returns several plans, ``_best_for_whole`` ranks them for the whole program.
 """
 
 from __future__ import annotations
@@ -64,7 +73,13 @@ def enabled() -> bool:
 
 def plan(placement, jaxpr, consts, in_layouts, out_nd, strict, planner):
     """The program of ``jaxpr`` planned from its reduced copy by ``planner`` (``_compiler._search``'s
-    signature), or None when it has no layers repeated often enough."""
+    signature), or None when ``JSBP_REUSE_LAYERS=0``, when it has no layers repeated often enough
+    or when the reduction is not worth it (``_Repeats.reduce``): then the caller plans it whole.
+
+    The reduced program's plan gives each kept equation's signature and hubs; each removed
+    equation takes its stand-in's; one forward pass over the whole program (``_Inference.fixed``)
+    follows them where they are legal for the layouts it sees and chooses afresh where not, so
+    the result is a valid program by the ordinary rules."""
     from . import _compiler as C
 
     if not enabled():
