@@ -10,12 +10,14 @@ layouts as well; the cheapest whole program is kept. Conversions are shared: a v
 is reused by later consumers, a later layout that is a local slice of an earlier conversion (B ->
 S) is cut from it, and the lookahead charges nothing for a layout another consumer will convert
 to anyway (``backward_demand``). A second seed keeps the program inputs in their given layouts
-where it can (see ``infer``). Call-like primitives (``jit``, ``custom_jvp_call``,
+where it can (``_search``); ``JSBP_PLANNER=global`` chooses every signature at once instead
+(``_planner``). Call-like primitives (``jit``, ``custom_jvp_call``,
 ``custom_vjp_call``, ``remat``) are inlined; ``scan`` / ``while`` carries get a fixed-point layout;
 ``cond`` branches are boxed to a common output layout.
 
-``emit`` replays the decisions inside one ``shard_map`` body: boxing collectives between
-equations (``_boxing.run_plan``), then each primitive on local, padded shards.
+``run_program`` runs the planned ``Program`` inside one ``shard_map`` body: the steps and the
+combined collectives in the order ``_combine`` gave them, boxing collectives before each step
+(``_boxing.run_plan``), then each primitive on local, padded shards.
 """
 
 from __future__ import annotations
@@ -86,11 +88,8 @@ what reducing it whole (all-reduce) and slicing costs: for such values a reduce-
 few bytes of a collective that costs its latency either way, and the whole copy serves every
 later consumer (BatchNorm's batch statistics: reduce-scattered for the variance, then all-gathered
 back for the normalisation). Only the choice of signature sees this; the boxing itself still runs
-as a reduce-scatter where it is asked for. At 64 KiB it also caught whole activations of small
-models, whose reduce-scatter the planner then avoided by keeping the partial sum to the end (a
-blocked cumsum all-reduced its 32 KiB result instead of reduce-scattering 192 bytes of block
-totals). Applied in loop bodies only (``_IN_BODY``): in the top scope, where the lookahead walk
-sees the consumers, it made the un-hinted TP GPT step plan 20 collectives instead of 15."""
+as a reduce-scatter where it is asked for. Applied in loop bodies only (``_IN_BODY``): in the top
+scope the lookahead walk sees the consumers."""
 
 _IN_BODY = contextvars.ContextVar("jsbp_in_loop_body", default=False)
 
@@ -956,11 +955,9 @@ carry's fixed point tries the same layouts again."""
 
 def _body_program(inf: _Inference, jaxpr, consts, in_layouts, out_nd=None) -> Program:
     """A loop body, planned as a program of its own (``_search``: the anchored and free seeds,
-    each refined by the lookahead over the body's equations). Planned inside the enclosing
-    program instead, a body was chosen one equation at a time with no lookahead: BatchNorm's
-    partial batch statistics were reduce-scattered (cheaper for that equation alone) and
-    all-gathered back by the normalisation, two collectives per statistic where one all-reduce
-    does (the scan-over-layers MLP under dp=8: 25 collectives per step, GSPMD 13).
+    each refined by the lookahead over the body's equations): planned inside the enclosing
+    program, a body would be chosen one equation at a time with no lookahead (BatchNorm's partial
+    batch statistics reduce-scattered, then all-gathered back, where one all-reduce does).
 
     Planned once per ``infer`` call for each (body, constants, boundary layouts, wanted outputs,
     strictness): the passes of the enclosing program share the plan (read-only). (The global
@@ -1129,8 +1126,8 @@ def _cond_results_choice(inf: _Inference, eqn, cur, subs):
     others forced to them), each other branch's own, and B, every branch forced to them. A
     candidate costs its branches' ``program_cost`` summed (as ``program_cost`` counts a ``cond``:
     which branch runs is not known) plus converting the results to the layouts the lookahead's
-    demand wants of them; ties keep the first branch's. Which branch is written first no longer
-    decides: a branch whose matmul leaves a partial sum and one that passes a split operand on,
+    demand wants of them; ties keep the first branch's. Which branch is written first does not
+    decide: a branch whose matmul leaves a partial sum and one that passes a split operand on,
     read replicated after the ``cond``, all-reduce once (the split one zero-fills) whatever their
     order, where the first branch's layouts cost a reduce-scatter and an all-gather with the split
     one first. (The global planner chooses them with the branches' equations and the rest of the
@@ -1481,10 +1478,10 @@ def _gc_paused():
 
 
 def infer(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = False) -> Program:
-    """The SBP program of ``jaxpr``: the cheapest plan found by ``_search`` (for a program whose
-    layers repeat 8 times or more, the plan of a reduced copy followed over the whole program:
-    ``_repeat.plan``), with reductions moved
-    ahead of transposes where that costs nothing (``_reduce_before_transposes``) and small
+    """The SBP program of ``jaxpr``: the cheapest plan found by ``_search`` (or, with
+    ``JSBP_PLANNER=global``, by ``_planner.search``; for a program whose layers repeat 8 times or
+    more, the plan of a reduced copy followed over the whole program: ``_repeat.plan``), with
+    reductions moved ahead of transposes where that costs nothing (``_reduce_before_transposes``) and small
     reduce-scatters / all-gathers batched into combined collectives (``_combine``). A primitive
     without a rule runs replicated with a ``NoRuleWarning`` (``strict``: an ``SbpError``)."""
     with _gc_paused():
@@ -1606,13 +1603,9 @@ def _tie_rank(prog: Program) -> tuple[float, int]:
     its small collectives combined (``_planner.combined_cost``, on a copy), then the number of
     local slices (B -> S without communication). A slice means the value was made whole on every
     device first: a random draw (``random_bits``) that could have drawn only the device's block,
-    say.
-
-    Combined collectives come first: a lookahead pass can reach the same ``program_cost`` with
+    say. Combined collectives come first: a lookahead pass can reach the same ``program_cost`` with
     fewer slices by reducing bias gradients where their reshape reads them rather than where the
-    update does, which splits the step's gradient all-reduces into groups that a read closes
-    early (the zoo's decoder LM under dp=8: 10 all-reduces instead of 1, 6.3 against 5.2 ms a step;
-    ``docs/benchmarks_models.md``, session 22)."""
+    update does, which splits the step's gradient all-reduce into several."""
     return _planner.combined_cost(_copy_program(prog)), _local_slices(prog)
 
 
