@@ -25,7 +25,7 @@ from .._layout import Layout, layout_of, normalise_nd
 from .._placement import placement as Placement
 from .._tensor import GlobalTensor, is_key_dtype, zeros
 from ..distributed._heartbeat import activity
-from . import _backend, _manifest
+from . import _backend, _manifest, _sync
 from ._errors import CheckpointError, warn
 from ._lock import LOCK_SUFFIX
 from ._spec import TensorSpec
@@ -362,11 +362,7 @@ def _check_unchanged(root: str, before: tuple | None, digest: str) -> None:
     manifest was read (``before``, ``digest``): then the data read may come from two
     checkpoints, and the load starts again."""
     same = before is not None and before[2] == digest and _identity(root) == before
-    if jax.process_count() > 1:
-        from ..distributed import allgather_json
-
-        same = all(allgather_json(same, tag="jsbp.checkpoint.load", what=f"load({root!r})"))
-    if not same:
+    if not all(_sync.allgather(same, f"unchanged {root}")):
         raise _Replaced(root)
 
 

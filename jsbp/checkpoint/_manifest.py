@@ -3,7 +3,8 @@
 A checkpoint directory is complete if and only if its manifest exists and is intact. The manifest
 lists every leaf of the saved tree (its path, kind, logical shape, dtype, and for global tensors
 the placement and nd-sbp it was saved from, for information) and every data file with its size
-and SHA-256. It carries a digest of its own body, so a damaged manifest is detected too.
+and SHA-256, and a ``save_id`` new with every save. It carries a digest of its own body, so a
+damaged manifest is detected too, and two manifests with the same digest are the same commit.
 
 Layout of a checkpoint directory::
 

@@ -16,6 +16,13 @@ checkpoint, or nothing) and a ``.jsbp-partial`` directory without a commit recor
 to ``<path>.jsbp-old`` and deleted only after the new one is in place; a save killed between the
 two renames is repaired by the next ``save`` or ``load`` of that path. The lock is released
 after the last rename; a lock left by a killed save is taken over by the next one.
+
+A save stopped in its own process before the commit (an error, a full disk, ``KeyboardInterrupt``)
+undoes itself on process 0: the previous checkpoint goes back to ``<path>``, ``.jsbp-partial`` is
+removed, the lock released. Before anything is written, process 0 checks that the file system
+has room for the arrays' logical size, and in a multi-process run the processes check that they
+all passed the same tree (``_check_same_tree``). The manifest records a ``save_id`` new with
+every save, which ``load`` uses to tell that the checkpoint at a path was replaced while it read.
 """
 
 from __future__ import annotations
@@ -375,13 +382,9 @@ def _check_same_tree(root: str, entries: list, arrays: dict) -> None:
     passed the same tree (see ``_leaf_digests``); nothing is written before this check."""
     if jax.process_count() == 1:
         return
-    from ..distributed import allgather_json
-
     mine = _leaf_digests(entries, arrays)
     paths = [e["path"] for e in entries]
-    every = allgather_json(
-        {"paths": paths, "digests": mine}, tag="jsbp.checkpoint", what=f"save({root!r})"
-    )
+    every = _sync.allgather({"paths": paths, "digests": mine}, f"same tree {root}")
     ref = every[0]
     for rank, got in enumerate(every[1:], start=1):
         if got == ref:
