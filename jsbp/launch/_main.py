@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     printer = Printer(lock, not a.no_prefix)
     ranks: list[Rank] = []
     pumps: list[threading.Thread] = []
-    job = Job(a, ranks, lock)
-    job.coordinator = f"{envs[0]['MASTER_ADDR']}:{envs[0]['MASTER_PORT']}"
+    job = Job(a, ranks, lock, coordinator=f"{envs[0]['MASTER_ADDR']}:{envs[0]['MASTER_PORT']}")
     try:
         for env in envs:
             proc = subprocess.Popen(

@@ -18,13 +18,15 @@ __all__ = ["Job"]
 class Job:
     """The ranks of one launch and the rules that end it early (see ``jsbp.launch``)."""
 
-    def __init__(self, a: argparse.Namespace, ranks: list[Rank], lock: threading.Lock):
+    def __init__(
+        self, a: argparse.Namespace, ranks: list[Rank], lock: threading.Lock, coordinator: str
+    ):
         self.a = a
         self.ranks = ranks
         self.lock = lock
         self._next_read = 0.0
         self._finished: dict[int, float] = {}
-        self.coordinator = "MASTER_ADDR:MASTER_PORT"
+        self.coordinator = coordinator  # MASTER_ADDR:MASTER_PORT: rank 0's coordination service
 
     def procs(self) -> list[subprocess.Popen]:
         return [r.proc for r in self.ranks]
