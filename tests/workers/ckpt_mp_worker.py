@@ -10,7 +10,7 @@ processes (uneven, partial and even layouts) and save them together; each writes
 cross-process placements and check every value bit-exactly and every local shape; prints
 ``CKPT-WORKER-OK <pid>`` on success. ``differ``: each process passes ``save`` a tree that
 differs from the other's (a scalar's value, a numpy array's value, the copies of a tensor
-replicated across both processes, the structure) and checks that each save raises the same ``CheckpointError`` on both
+replicated across both processes, the structure, a tensor each process holds on its own devices) and checks that each save raises the same ``CheckpointError`` on both
 processes, naming the leaf, and writes nothing. The parent test (tests/test_checkpoint.py) does
 the other half.
 """
@@ -101,6 +101,15 @@ def main() -> None:
                 "b": jsbp.from_local([np.full(8, float(pid))] * LOCAL_DEVICES, placement=p8, sbp="B"),
             },
             "structure": {"x": x, f"only_{pid}": 1},
+            # each process saves its own tensor on its own devices (the same shape and sbp)
+            "['local']": {
+                "x": x,
+                "local": jsbp.tensor(
+                    vals["w"] + pid,
+                    placement=jsbp.placement("cpu", [d.id for d in jax.local_devices()]),
+                    sbp="S(0)",
+                ),
+            },
         }
         for name, tree in cases.items():
             try:
