@@ -11,6 +11,7 @@ and sampled on the load side by default; ``JSBP_FULL=1`` runs every load layout 
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import itertools
 import json
@@ -488,9 +489,10 @@ def test_steps_keep_and_latest(tmp_path):
 def _run_until_paused(tmp_path, point, args) -> None:
     """Start a save in a child process, wait until it reaches ``point``, then SIGKILL it."""
     sentinel = tmp_path / f"paused-{point}"
-    env = dict(os.environ, JSBP_CHECKPOINT_TEST_PAUSE=f"{point}:{sentinel}", PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(WORKERS, "ckpt_kill_worker.py"), *map(str, args)],
+        [sys.executable, os.path.join(WORKERS, "ckpt_kill_worker.py"), *map(str, args),
+         f"{point}:{sentinel}"],  # fmt: skip
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -598,7 +600,6 @@ def _run_two_processes(mode: str, path) -> None:
     ``python -m jsbp.launch`` when it exists, else with a minimal start of our own."""
     worker = os.path.join(WORKERS, "ckpt_mp_worker.py")
     env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("JSBP_CHECKPOINT_TEST_PAUSE", None)
     if _has_launcher():
         cmds = [[sys.executable, "-m", "jsbp.launch", "--nproc-per-node", "2",
                  "--devices-per-process", "4", worker, mode, str(path)]]  # fmt: skip
@@ -790,18 +791,12 @@ def test_overwrite_in_progress_blocks_other_saves_and_keeps_previous_loadable(
 
 
 def _save_in_process(tmp_path, seed, path, pause=None):
+    """A save of ``kill_worker.build(seed)`` in another process; ``pause``:
+    ``<point>:<sentinel>[:<seconds>]`` (see ``ckpt_kill_worker.pause_at``)."""
     env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("JSBP_CHECKPOINT_TEST_PAUSE", None)
-    if pause:
-        env["JSBP_CHECKPOINT_TEST_PAUSE"] = pause
     return subprocess.Popen(
-        [
-            sys.executable,
-            os.path.join(WORKERS, "ckpt_kill_worker.py"),
-            "overwrite",
-            str(path),
-            str(seed),
-        ],  # fmt: skip
+        [sys.executable, os.path.join(WORKERS, "ckpt_kill_worker.py"), "overwrite", str(path),
+         str(seed), *([pause] if pause else [])],  # fmt: skip
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -859,3 +854,227 @@ def test_two_processes_save_one_path_at_once(tmp_path):
     assert out["step"] in ok
     _check_values(out, kw.tree_values(out["step"]), target)
     assert _debris(tmp_path) == []
+
+
+# -------------------------------------------------------------------------------------------
+# checkpoints readers can trust: loads during overwrites, interrupted and failed saves, x64
+# -------------------------------------------------------------------------------------------
+
+
+def _whole(out, kw, target) -> int:
+    """The seed of the one checkpoint ``out`` wholly is (its step and every tensor); fails on a
+    mix of two."""
+    seed = out["step"]
+    for k, v in kw.tree_values(seed).items():
+        assert np.array_equal(out[k].numpy(), v), (
+            f"{k} is not the {k} of the checkpoint whose step is {seed}: a mix of two checkpoints"
+        )
+    _check_values(out, kw.tree_values(seed), target)
+    return seed
+
+
+def test_load_while_another_process_overwrites_returns_one_whole_checkpoint(
+    tmp_path, monkeypatch
+):
+    """Another process replaces the checkpoint after this load read its commit record and
+    before it read the data: the load must return the new checkpoint whole, not the old step
+    with the new tensors."""
+    from jsbp.checkpoint import _backend
+
+    kw = _worker_module("ckpt_kill_worker")
+    path = tmp_path / "ckpt"
+    ck.save(path, kw.build(jsbp, 1))
+    read, calls = _backend.read, []
+
+    def read_after_an_overwrite(*a, **k):
+        calls.append(a[0])
+        if len(calls) == 1:
+            p = _save_in_process(tmp_path, 2, path)
+            out = p.communicate(timeout=300)[0]
+            assert p.returncode == 0, out[-3000:]
+        return read(*a, **k)
+
+    monkeypatch.setattr(_backend, "read", read_after_an_overwrite)
+    target = _target_of(kw, "(4,)", lambda ndim: "S(0)")
+    assert _whole(ck.load(path, target), kw, target) == 2
+    assert len(calls) == 2  # the first read was thrown away, the data read again
+
+
+def test_load_of_a_path_replaced_on_every_attempt_says_so(tmp_path, monkeypatch):
+    from jsbp.checkpoint import _backend
+
+    kw = _worker_module("ckpt_kill_worker")
+    path = tmp_path / "ckpt"
+    ck.save(path, kw.build(jsbp, 1))
+    read, seeds = _backend.read, iter(range(2, 100))
+
+    def read_after_an_overwrite(*a, **k):
+        ck.save(path, kw.build(jsbp, 1) | {"step": next(seeds)}, overwrite=True)
+        return read(*a, **k)
+
+    monkeypatch.setattr(_backend, "read", read_after_an_overwrite)
+    target = _target_of(kw, "(4,)", lambda ndim: "S(0)")
+    with pytest.raises(CheckpointError, match=r"ckpt was replaced 8 times while it was being read"):
+        ck.load(path, target)
+
+
+@pytest.mark.slow
+def test_loads_during_overwrite_loop_are_each_whole(tmp_path):
+    """A real race: another process overwrites the path again and again while this one loads."""
+    kw = _worker_module("ckpt_kill_worker")
+    path = tmp_path / "ckpt"
+    ck.save(path, kw.build(jsbp, 1))
+    target = _target_of(kw, "(2,2)", lambda ndim: ("S(0)", "B"))
+    env = dict(os.environ, PYTHONPATH=REPO)
+    writer = subprocess.Popen(
+        [sys.executable, os.path.join(WORKERS, "ckpt_kill_worker.py"), "loop", str(path), "2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    seen = []
+    try:
+        deadline = time.monotonic() + 300
+        while writer.poll() is None and time.monotonic() < deadline:
+            seen.append(_whole(ck.load(path, target), kw, target))
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        out = writer.communicate()[0]
+    assert writer.returncode == 0, out[-3000:]
+    assert len(set(seen)) >= 2, seen  # the loads did overlap the overwrites
+
+
+@pytest.mark.parametrize("point", ["locked", "before_commit", "between_renames"])
+def test_keyboard_interrupt_during_a_save_gives_everything_back(tmp_path, monkeypatch, point):
+    from jsbp.checkpoint import _save
+
+    kw = _worker_module("ckpt_kill_worker")
+    path = tmp_path / "ckpt"
+    ck.save(path, kw.build(jsbp, 1))
+
+    def interrupt(p):
+        if p == point:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_save, "_pause_point", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(path, kw.build(jsbp, 2), overwrite=True)
+    assert _debris(tmp_path) == []  # no lock file, no .jsbp-partial, no .jsbp-old
+    target = _target_of(kw, "(4,)", lambda ndim: "S(0)")
+    assert _whole(ck.load(path, target), kw, target) == 1
+    monkeypatch.undo()
+    ck.save(path, kw.build(jsbp, 3), overwrite=True)  # the lock is free in this very process
+    assert _whole(ck.load(path, target), kw, target) == 3
+
+
+def _needed_bytes(kw, seed) -> int:
+    return sum(v.nbytes for v in kw.tree_values(seed).values())
+
+
+def _enospc(*_a, **_k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _enospc_after_writing(write):
+    def fail(directory, arrays):
+        write(directory, arrays)  # the data lands, then the disk fills up (e.g. at OCDBT commit)
+        raise ValueError("tensorstore: writing failed") from OSError(
+            errno.ENOSPC, os.strerror(errno.ENOSPC)
+        )
+
+    return fail
+
+
+@pytest.mark.parametrize("where", ["data", "data_wrapped", "manifest"])
+def test_full_disk_raises_names_the_bytes_and_keeps_the_previous(tmp_path, monkeypatch, where):
+    from jsbp.checkpoint import _backend, _manifest
+
+    kw = _worker_module("ckpt_kill_worker")
+    path = tmp_path / "ckpt"
+    ck.save(path, kw.build(jsbp, 1))
+    if where == "data":
+        monkeypatch.setattr(_backend, "write", _enospc)
+    elif where == "data_wrapped":
+        monkeypatch.setattr(_backend, "write", _enospc_after_writing(_backend.write))
+    else:
+        monkeypatch.setattr(_manifest, "write", _enospc)
+    needed = _needed_bytes(kw, 2)
+    with pytest.raises(CheckpointError) as e:
+        ck.save(path, kw.build(jsbp, 2), overwrite=True)
+    msg = str(e.value)
+    assert f"the file system of {path} is full" in msg, msg
+    assert f"needs about {needed:,} bytes" in msg, msg
+    assert "Nothing of this save was left behind" in msg
+    assert _debris(tmp_path) == []  # no partial data, no lock
+    target = _target_of(kw, "(4,)", lambda ndim: "S(0)")
+    assert _whole(ck.load(path, target), kw, target) == 1
+    monkeypatch.undo()
+    ck.save(path, kw.build(jsbp, 2), overwrite=True)
+    assert _whole(ck.load(path, target), kw, target) == 2
+
+
+def test_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
+    from jsbp.checkpoint import _backend, _save
+
+    kw = _worker_module("ckpt_kill_worker")
+    path = tmp_path / "ckpt"
+    ck.save(path, kw.build(jsbp, 1))
+    needed = _needed_bytes(kw, 2)
+    real = _save.shutil.disk_usage
+    monkeypatch.setattr(
+        _save.shutil, "disk_usage", lambda p: real(p)._replace(free=needed - 1)
+    )
+    monkeypatch.setattr(_backend, "write", lambda *a, **k: pytest.fail("wrote on a full disk"))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"needs about {needed:,} bytes \(the logical size of its arrays\); {needed - 1:,} "
+        "bytes are free there",
+    ):
+        ck.save(path, kw.build(jsbp, 2), overwrite=True)
+    assert _debris(tmp_path) == []
+    target = _target_of(kw, "(4,)", lambda ndim: "S(0)")
+    assert _whole(ck.load(path, target), kw, target) == 1
+
+
+def test_checkpoint_saved_under_x64_is_not_cast_silently(tmp_path):
+    v = np.arange(10, dtype=np.float64) / 3  # not representable in float32
+    i = np.arange(6, dtype=np.int64) << 40
+    p = _plc("(4,)")
+    with jax.enable_x64(True):
+        tree = {"x": jsbp.tensor(v, placement=p, sbp="S(0)"), "j": jnp.asarray(i)}
+        assert tree["x"].dtype == np.float64 and tree["j"].dtype == np.int64
+        path = ck.save(tmp_path / "x64", tree)
+    assert not jax.config.jax_enable_x64
+    for target in (None, lambda path, shape: (p, "B")):
+        with pytest.raises(
+            CheckpointError,
+            match=r"leaf at \['(x|j)'\] .* was saved as (float64|int64) \(under jax_enable_x64\), "
+            r"but JAX holds it as (float32|int32) here",
+        ):
+            ck.load(path, target)
+    # a float32 target is a mismatch that says why
+    with pytest.raises(CheckpointError, match=r"expects shape \(10,\) float32.*saved under jax_enable_x64"):
+        ck.load(path, {"x": TensorSpec((10,), np.float32, p, "S(0)"), "j": np.zeros(6, np.int64)})
+    # as numpy: exact
+    out = ck.load(path, {"x": np.zeros(10, np.float64), "j": np.zeros(6, np.int64)})
+    assert out["x"].dtype == np.float64 and np.array_equal(out["x"], v)
+    assert np.array_equal(out["j"], i)
+    with jax.enable_x64(True):  # and under x64, as saved
+        out = ck.load(path, None)
+        assert out["x"].dtype == np.float64 and np.array_equal(out["x"].numpy(), v)
+        assert np.array_equal(np.asarray(out["j"]), i)
+
+
+def test_load_of_a_regular_file_says_it_is_a_file(tmp_path):
+    f = tmp_path / "model.ckpt"
+    f.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"no checkpoint at .*model.ckpt: it is a file, not a directory"):
+        ck.load(f, None)
+    with pytest.raises(CheckpointError, match=r"it is a file, not a directory"):
+        ck.info(f)
+
+
+def test_processes_saving_different_trees_is_an_error(tmp_path):
+    """Two processes of one job pass save() different trees (a scalar, a replicated tensor's
+    value, the structure): each is a CheckpointError on both processes and nothing is written."""
+    _run_two_processes("differ", tmp_path / "differ")
+    assert not any(n.startswith("differ") for n in os.listdir(tmp_path)), os.listdir(tmp_path)

@@ -254,7 +254,7 @@ def test_ranks_finishing_apart_within_the_exit_timeout_are_fine(capfd, monkeypat
     assert status == 0, capfd.readouterr()[1]
 
 
-# -- faults of a real JAX job (issue 19): each ends within seconds, naming the right rank --------
+# -- faults of a real JAX job: each ends within seconds, naming the right rank --------
 
 FAULT_TIMEOUT = 10
 """``--timeout`` of the hang cases (JAX start-up counts as progress: it heartbeats)."""
@@ -262,18 +262,25 @@ FAULT_BOUND_S = 60
 """Seconds from the fault to the launcher's exit, generously (the watch's own time is 10 s)."""
 
 
-def _fault_run(mode, *opts):
+def _fault_run(mode, *opts, pid_dir=None, bound=FAULT_BOUND_S):
+    """Run ``fault_worker.py MODE`` as 2 JAX processes; the seconds from the fault to the
+    launcher's exit must stay under ``bound``. With ``pid_dir`` every rank's pid is checked gone."""
     env = _env()
     env.pop("XLA_FLAGS", None)
+    extra = [str(pid_dir)] if pid_dir else []
     cmd = [sys.executable, "-m", "jsbp.launch", "--nproc-per-node", "2", "--devices-per-process",
-           "2", "--grace-period", "2", *map(str, opts), str(WORKERS / "fault_worker.py"), mode]  # fmt: skip
+           "2", "--grace-period", "2", *map(str, opts), str(WORKERS / "fault_worker.py"), mode,
+           *extra]  # fmt: skip
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     end = time.time()
     faults = [float(m) for m in re.findall(r"\[rank \d\] fault at ([\d.]+)", r.stdout)]
     assert len(faults) == 2, (r.stdout[-3000:], r.stderr[-3000:])
     seconds = end - max(faults)
     print(f"\n{mode}: {seconds:.1f} s from the fault to the launcher's exit")
-    assert seconds < FAULT_BOUND_S, f"{mode}: {seconds:.1f} s"
+    assert seconds < bound, f"{mode}: {seconds:.1f} s\n{r.stderr[-3000:]}"
+    if pid_dir:
+        left = [p for p in _pids(Path(pid_dir), 2) if _alive(p)]
+        assert not left, f"processes left behind: {left}"
     return r, seconds
 
 
@@ -300,6 +307,64 @@ def test_jax_ranks_in_different_collectives_end_the_job():
     }
     assert all(lines.values()), r.stderr
     assert lines[0].group(1) != lines[1].group(1)  # each in its own collective
+
+
+QUICK_S = 30
+"""Seconds from a fault to the launcher's exit for the faults that must end a job "within
+seconds": the watch's own part is at most the 10 s default --exit-timeout plus the 2 s grace
+period; the rest is a loaded machine. The old launcher took 60 s and more for these."""
+
+
+def test_jax_sigterm_to_one_rank_ends_the_job(tmp_path):
+    # JAX's preemption service used to catch the SIGTERM: rank 1 went on, rank 0 waited for it
+    r, seconds = _fault_run("sigterm", "--timeout", 120, pid_dir=tmp_path, bound=QUICK_S)
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr[-3000:]
+    err = r.stderr
+    assert "jsbp.launch: failed: rank 1 was killed by SIGTERM (exit code -15)" in err, err[-3000:]
+    assert re.search(r"jsbp.launch: rank 1: in <module> \(.*fault_worker.py:\d+\)", err), err[-3000:]
+    assert re.search(r"jsbp.launch: consequences: rank 0 (exited|failed) with code 1", err) or (
+        "stopped by the launcher: rank(s) 0" in err
+    ), err[-3000:]
+
+
+@pytest.mark.parametrize(
+    "mode, status, words",
+    [
+        ("segv", 128 + signal.SIGSEGV, "rank 1 was killed by SIGSEGV (exit code -11)"),
+        ("os_exit0", 1, "rank 1 exited with code 0 before its script finished"),
+        (
+            "kill_coordinator",
+            128 + signal.SIGKILL,
+            "rank 0 (the coordinator: it serves JAX's coordination service at 127.0.0.1:",
+        ),
+    ],
+)
+def test_jax_rank_ending_without_a_word_is_blamed(tmp_path, mode, status, words):
+    # the other rank dies of the broken connection, often before the launcher reaps the victim
+    r, _ = _fault_run(mode, "--timeout", 120, pid_dir=tmp_path, bound=QUICK_S)
+    err = r.stderr
+    assert r.returncode == status, err[-3000:]
+    assert f"jsbp.launch: failed: {words}" in err, err[-3000:]
+    assert "(the first rank to fail)" in err, err[-3000:]
+    other = 0 if mode != "kill_coordinator" else 1
+    assert re.search(rf"jsbp.launch: consequences: rank {other} (exited|failed) with code 1", err)
+    if mode == "segv":
+        assert re.search(
+            r"jsbp.launch: rank 1: Fatal Python error: Segmentation fault, in <module> "
+            r"\(.*fault_worker.py:\d+\)",
+            err,
+        ), err[-3000:]
+    if mode == "kill_coordinator":
+        assert "was killed by SIGKILL (exit code -9)" in err
+
+
+def test_jax_rank_leaving_early_ends_the_job_within_seconds_by_default(tmp_path):
+    # rank 1 finished (sys.exit(0)) and waits in JAX's shutdown barrier; rank 0 waits for it in a
+    # collective: no progress, so the default --exit-timeout (10 s) ends the job
+    r, seconds = _fault_run("early_exit", "--timeout", 120, pid_dir=tmp_path, bound=QUICK_S)
+    assert r.returncode == jsbp_launch.TIMEOUT_STATUS, r.stderr[-3000:]
+    assert "failed: rank 1 left early" in r.stderr
+    assert "made no progress for 1" in r.stderr and "(--exit-timeout 10 s)" in r.stderr
 
 
 def test_jax_rank_leaving_early_ends_the_job():
@@ -342,3 +407,47 @@ def test_the_first_rank_to_fail_is_blamed_not_the_lowest(tmp_path, capfd, monkey
         r"consequences: rank 0 (exited|failed) with code 1 \(RuntimeError: rank 0 fails", err
     )
     assert elapsed < BOUND_S
+
+
+@pytest.mark.parametrize("attempt", [1, 2])
+@pytest.mark.parametrize(
+    "mode, status, words",
+    [
+        ("segv", 128 + signal.SIGSEGV, "rank 1 was killed by SIGSEGV (exit code -11)"),
+        ("vanish", 1, "rank 1 exited with code 0 before its script finished (os._exit"),
+        ("kill0", 128 + signal.SIGKILL, "rank 0 (the coordinator: it serves JAX's coordination"),
+    ],
+)
+def test_a_rank_that_ends_without_a_word_is_blamed_not_the_peer_that_noticed(
+    tmp_path, capfd, monkeypatch, mode, status, words, attempt
+):
+    # the peer raises within a millisecond of the victim's end, before the launcher reaps it
+    status_, elapsed = _main(monkeypatch, "--nproc-per-node", 2, WORKERS / "fail_worker.py",
+                             mode, tmp_path)  # fmt: skip
+    out, err = capfd.readouterr()
+    assert status_ == status, err
+    assert f"jsbp.launch: failed: {words}" in err, err
+    peer = 1 if mode == "kill0" else 0
+    assert re.search(
+        rf"consequences: rank {peer} (exited|failed) with code 1 \(RuntimeError: rank {peer}: "
+        r"rank \d is gone\)",
+        err,
+    ), err
+    if mode == "segv":  # faulthandler's record: the time of death, and where
+        assert re.search(
+            r"rank 1: Fatal Python error: Segmentation fault, in <module> \(.*fail_worker.py:\d+\)",
+            err,
+        ), err
+    assert elapsed < BOUND_S
+    assert not any(_alive(p) for p in _pids(tmp_path, 2))
+
+
+def test_a_finished_rank_waits_for_peers_that_make_progress(tmp_path, capfd, monkeypatch):
+    # rank 1 leaves at once; rank 0 prints a line every 0.2 s for 4 s: it makes progress, so a
+    # 1 s --exit-timeout does not end the job
+    status, _ = _main(monkeypatch, "--nproc-per-node", 2, "--exit-timeout", 1,
+                      WORKERS / "fail_worker.py", "tail", tmp_path)  # fmt: skip
+    out, err = capfd.readouterr()
+    assert status == 0, err
+    assert "left early" not in err
+    assert "[rank 0] rank 0 still working 19" in out

@@ -25,7 +25,7 @@ from .._layout import Layout, layout_of, normalise_nd
 from .._placement import placement as Placement
 from .._tensor import GlobalTensor, is_key_dtype, zeros
 from ..distributed._heartbeat import activity
-from . import _backend, _manifest
+from . import _backend, _manifest, _sync
 from ._errors import CheckpointError, warn
 from ._lock import LOCK_SUFFIX
 from ._spec import TensorSpec
@@ -119,10 +119,18 @@ def _where(path: str) -> str:
 
 
 def _mismatch(root, e, shape, dtype) -> CheckpointError:
+    saved = _dtype(e["dtype"])
+    x64 = ""
+    if tuple(e["shape"]) == tuple(shape) and np.dtype(jax.dtypes.canonicalize_dtype(saved)) == dtype != saved:
+        x64 = (
+            f" It was saved under jax_enable_x64; JAX makes {dtype.name} of {saved.name} here "
+            "(x64 is off): enable x64 before loading, or load it as numpy (a numpy target leaf) "
+            "and cast it yourself."
+        )
     return CheckpointError(
         f"load: the leaf at {_where(e['path'])} in checkpoint {root} was saved with "
         f"{_fmt(e['shape'], e['dtype'])}, but the target expects {_fmt(shape, dtype)}. "
-        "Make the target match the checkpoint (or cast after loading)."
+        "Make the target match the checkpoint (or cast after loading)." + x64
     )
 
 
@@ -174,12 +182,8 @@ def _plan_for_target(root: str, e: dict, t) -> _Plan:
         )
     if shape != tuple(e["shape"]) or dtype != _dtype(e["dtype"]):
         raise _mismatch(root, e, shape, dtype)
-    if kind != "numpy" and np.dtype(jax.dtypes.canonicalize_dtype(dtype)) != dtype:
-        raise CheckpointError(
-            f"load: the leaf at {path} in checkpoint {root} is {dtype.name}, which JAX holds as "
-            f"{np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name} here (jax_enable_x64 is off); "
-            "enable x64 to load it as a jax / global tensor, or load it as numpy."
-        )
+    if kind != "numpy":
+        _check_x64(root, e)
     if kind == "jax":
         sharding = getattr(t, "sharding", None) or jax.sharding.SingleDeviceSharding(
             jax.local_devices()[0]
@@ -188,12 +192,28 @@ def _plan_for_target(root: str, e: dict, t) -> _Plan:
     return _Plan(e, kind, layout=lay, numpy_scalar=isinstance(t, np.generic))
 
 
+def _check_x64(root: str, e: dict) -> None:
+    """A 64-bit leaf is loaded as a jax / global tensor only where JAX holds 64 bits (x64 on):
+    never cast silently to the 32-bit type JAX would make of it."""
+    saved = _dtype(e["dtype"])
+    held = np.dtype(jax.dtypes.canonicalize_dtype(saved))
+    if held != saved:
+        raise CheckpointError(
+            f"load: the leaf at {_where(e['path'])} in checkpoint {root} was saved as "
+            f"{saved.name} (under jax_enable_x64), but JAX holds it as {held.name} here "
+            "(jax_enable_x64 is off), so it would lose precision. Enable x64 before loading "
+            "(jax.config.update('jax_enable_x64', True)), or load it as numpy (a numpy target "
+            f"leaf) and cast it yourself (e.g. to {held.name})."
+        )
+
+
 def _plan_as_saved(root: str, e: dict) -> _Plan:
     kind = e["kind"]
     if kind == "scalar":
         return _Plan(e, "scalar")
     if kind == "numpy":
         return _Plan(e, "numpy", numpy_scalar=e.get("numpy_scalar", False))
+    _check_x64(root, e)
     if kind == "jax":
         return _Plan(e, "jax", sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
     try:
@@ -271,13 +291,19 @@ def load(path, target=None, *, strict: bool = True, verify: bool = True):
     against the SHA-256 in the commit record before anything is read; ``verify=False`` checks
     only that the files exist with the right sizes.
 
-    A load that runs while another save replaces the checkpoint (in a single process) reads the
-    one that is complete at that moment, the previous or the new, retrying if the files it was
-    reading are moved away.
+    A load that runs while another thread, process or job replaces the checkpoint
+    (``save(..., overwrite=True)``) returns one whole checkpoint, the previous or the new, never
+    a mix: after reading, it checks that the commit it read the manifest of is still the one at
+    ``path`` (its directory and its manifest's save id) and reads again if not. A path replaced
+    on every attempt (8) raises ``CheckpointError``.
     """
     asked = os.path.abspath(os.fspath(path))
     with activity(f"jsbp.checkpoint.load({asked!r})"):
         return _load_retrying(asked, target, strict, verify)
+
+
+class _Replaced(Exception):
+    """The checkpoint at a path was replaced while a load read it (internal: the load retries)."""
 
 
 def _load_retrying(asked: str, target, strict: bool, verify: bool):
@@ -285,6 +311,9 @@ def _load_retrying(asked: str, target, strict: bool, verify: bool):
         root = _resolve(asked)
         try:
             return _load_from(root, target, strict, verify)
+        except _Replaced:
+            time.sleep(0.05 * (attempt + 1))
+            continue
         except (CheckpointError, OSError) as e:
             # a save replacing this checkpoint while we read it: read the new one
             if (
@@ -299,10 +328,14 @@ def _load_retrying(asked: str, target, strict: bool, verify: bool):
             raise CheckpointError(
                 f"load: reading checkpoint {root} failed: {type(e).__name__}: {e}"
             ) from e
-    raise AssertionError("unreachable")  # pragma: no cover
+    raise CheckpointError(
+        f"load: the checkpoint at {asked} was replaced {_ATTEMPTS} times while it was being read "
+        "(a save with overwrite=True of that path keeps running); nothing was returned. Load it "
+        "when no save replaces it, or save each version to its own path (save_step)."
+    )
 
 
-_ATTEMPTS = 4
+_ATTEMPTS = 8
 
 
 def _being_replaced(asked: str, root: str) -> bool:
@@ -314,8 +347,28 @@ def _being_replaced(asked: str, root: str) -> bool:
     )
 
 
+def _identity(root: str) -> tuple | None:
+    """Which commit ``root`` holds now: its directory's inode and its manifest's digest (every
+    save records a new id in its manifest, so two saves never share a digest)."""
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, _manifest.stored_digest(root))
+
+
+def _check_unchanged(root: str, before: tuple | None, digest: str) -> None:
+    """Raise ``_Replaced`` (on every process) if the commit at ``root`` is not the one whose
+    manifest was read (``before``, ``digest``): then the data read may come from two
+    checkpoints, and the load starts again."""
+    same = before is not None and before[2] == digest and _identity(root) == before
+    if not all(_sync.allgather(same, f"unchanged {root}")):
+        raise _Replaced(root)
+
+
 def _load_from(root: str, target, strict: bool, verify: bool):
-    body = _manifest.read(root)
+    before = _identity(root)
+    body, digest = _manifest.read_with_digest(root)
     _manifest.verify_files(root, body, checksums=verify)
     leaves = body["leaves"]
 
@@ -350,6 +403,9 @@ def _load_from(root: str, target, strict: bool, verify: bool):
                 f"load: reading the data of checkpoint {root} from {state} failed: "
                 f"{type(err).__name__}: {err}"
             ) from err
+        jax.block_until_ready(list(got.values()))
+    # everything was read from one commit only if that commit is still the one at ``root``
+    _check_unchanged(root, before, digest)
     outs = [p.finish(got.get(p.entry["name"])) for p in plans]
     if rebuild_tree:
         return _manifest.rebuild([(p.entry["keys"], o) for p, o in zip(plans, outs)])

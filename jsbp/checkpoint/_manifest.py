@@ -3,7 +3,8 @@
 A checkpoint directory is complete if and only if its manifest exists and is intact. The manifest
 lists every leaf of the saved tree (its path, kind, logical shape, dtype, and for global tensors
 the placement and nd-sbp it was saved from, for information) and every data file with its size
-and SHA-256. It carries a digest of its own body, so a damaged manifest is detected too.
+and SHA-256, and a ``save_id`` new with every save. It carries a digest of its own body, so a
+damaged manifest is detected too, and two manifests with the same digest are the same commit.
 
 Layout of a checkpoint directory::
 
@@ -151,6 +152,26 @@ MISSING_HINT = (
 
 def read(root: str) -> dict:
     """The manifest body of the checkpoint at ``root``; ``CheckpointError`` if absent or damaged."""
+    return read_with_digest(root)[0]
+
+
+def stored_digest(root: str) -> str | None:
+    """The SHA-256 the manifest of ``root`` records for its body (``None`` if unreadable): two
+    reads that give the same digest read the same commit record (each save records a new id)."""
+    try:
+        with open(os.path.join(root, MANIFEST)) as f:
+            return json.load(f)["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_with_digest(root: str) -> tuple[dict, str]:
+    """``read(root)`` and the digest of the body read (see ``stored_digest``)."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(
+            f"no checkpoint at {root}: it is a file, not a directory. A jsbp checkpoint is a "
+            "directory written by jsbp.checkpoint.save; pass the checkpoint's directory."
+        )
     if not os.path.isdir(root):
         hint = ""
         if os.path.isdir(root + PARTIAL_SUFFIX):
@@ -184,7 +205,7 @@ def read(root: str) -> dict:
             f"{mpath} is a {body.get('format')!r} manifest of version {body.get('version')!r}; this "
             f"jsbp reads {FORMAT!r} version {VERSION}."
         )
-    return body
+    return body, digest
 
 
 def verify_files(root: str, body: dict, *, checksums: bool = True) -> None:

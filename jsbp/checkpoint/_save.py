@@ -16,13 +16,24 @@ checkpoint, or nothing) and a ``.jsbp-partial`` directory without a commit recor
 to ``<path>.jsbp-old`` and deleted only after the new one is in place; a save killed between the
 two renames is repaired by the next ``save`` or ``load`` of that path. The lock is released
 after the last rename; a lock left by a killed save is taken over by the next one.
+
+A save stopped in its own process before the commit (an error, a full disk, ``KeyboardInterrupt``)
+undoes itself on process 0: the previous checkpoint goes back to ``<path>``, ``.jsbp-partial`` is
+removed, the lock released. Before anything is written, process 0 checks that the file system
+has room for the arrays' logical size, and in a multi-process run the processes check that they
+all passed the same tree (``_check_same_tree``). The manifest records a ``save_id`` new with
+every save, which ``load`` uses to tell that the checkpoint at a path was replaced while it read.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
 import shutil
 import time
+import uuid
 
 import jax
 import numpy as np
@@ -38,27 +49,14 @@ from ._storage import placement_to_json, storage_layout
 
 __all__ = ["save"]
 
-PAUSE_ENV = "JSBP_CHECKPOINT_TEST_PAUSE"
-"""Test hook: ``<point>:<sentinel file>``. When set, ``save`` touches the sentinel file at
-``<point>`` (``locked``: the save lock is taken, nothing written yet; ``before_commit``: data
-written, no commit record yet; ``between_renames``: an ``overwrite=True`` save has moved the old
-checkpoint aside) and then sleeps until it is killed (``<point>:<sentinel>:<seconds>``: sleeps that
-long and goes on).
-Used by the tests that kill a save half way; never set it otherwise."""
-
-
 def _pause_point(point: str) -> None:
-    spec = os.environ.get(PAUSE_ENV, "")
-    if not spec or spec.split(":", 1)[0] != point:
-        return
-    _, sentinel, *seconds = spec.split(":")
-    with open(sentinel, "w") as f:
-        f.write(str(os.getpid()))
-    if seconds:  # ``<point>:<sentinel>:<seconds>``: hold on that long, then go on
-        time.sleep(float(seconds[0]))
-        return
-    while True:  # pragma: no cover - the test kills us here
-        time.sleep(1)
+    """A named point of the save sequence; does nothing.
+
+    ``point`` is ``locked`` (the save lock is taken, nothing written yet), ``before_commit`` (the
+    data is written, no commit record yet) or ``between_renames`` (an ``overwrite=True`` save has
+    moved the old checkpoint aside). Tests replace this function (``monkeypatch.setattr``) to
+    stop, kill or interrupt a save at a known point instead of after a guessed delay.
+    """
 
 
 def is_leaf(x) -> bool:
@@ -153,7 +151,11 @@ def save(path, tree, *, overwrite: bool = False) -> str:
 
     Raises ``CheckpointError`` if ``path`` exists and ``overwrite`` is false, if another save of
     ``path`` is running (one save of a path at a time; the other one's checkpoint, or the previous
-    one, stays in place), or for a leaf that cannot be saved (named by its path in the tree).
+    one, stays in place), for a leaf that cannot be saved (named by its path in the tree), if the
+    processes of a multi-process run pass different trees (named by the first leaf that differs),
+    and if the file system is full (naming the bytes the save needs). Whatever stops a save
+    (an error, a full disk, ``KeyboardInterrupt``) before its commit leaves the previous checkpoint
+    at ``path`` in place, removes what this save wrote and releases its lock.
     """
     root = os.path.abspath(os.fspath(path))
     tmp, old = root + _manifest.PARTIAL_SUFFIX, root + _manifest.OLD_SUFFIX
@@ -171,21 +173,23 @@ def save(path, tree, *, overwrite: bool = False) -> str:
         )
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"save: {root} exists and is not a directory.")
+    _check_same_tree(root, entries, arrays)
+    needed = sum(int(a.nbytes) for a in arrays.values())
 
     with activity(f"jsbp.checkpoint.save({root!r})"):
-        lock = _start(root, tmp, overwrite)
+        lock = _start(root, tmp, overwrite, needed)
         try:
-            _write(root, tmp, old, entries, arrays)
+            _write(root, tmp, old, entries, arrays, needed)
         finally:
             if lock is not None:
                 _lock.release(root, lock)
     return root
 
 
-def _start(root: str, tmp: str, overwrite: bool) -> int | None:
+def _start(root: str, tmp: str, overwrite: bool, needed: int) -> int | None:
     """Process 0 takes the save lock of ``root`` and prepares ``tmp``; every process learns
     whether that worked (and raises the same ``CheckpointError`` if not). Returns the lock (on
-    process 0)."""
+    process 0). Anything that stops process 0 here releases the lock it took."""
     lock, error = None, None
     if _sync.is_primary():
         try:
@@ -198,13 +202,22 @@ def _start(root: str, tmp: str, overwrite: bool) -> int | None:
             _recover(root)
             if os.path.isdir(tmp):
                 shutil.rmtree(tmp)  # left by an earlier interrupted save of this path
+            _check_free_space(root, needed)
             os.makedirs(tmp)
             _pause_point("locked")
         except CheckpointError as e:
             error = str(e)
         except OSError as e:
-            error = f"save: preparing {tmp} failed: {type(e).__name__}: {e}"
+            error = _disk_full(root, needed, e) or (
+                f"save: preparing {tmp} failed: {type(e).__name__}: {e}"
+            )
+        except BaseException:  # KeyboardInterrupt, SystemExit: give everything back, then go
+            if lock is not None:
+                _abandon(root, tmp)
+                _lock.release(root, lock)
+            raise
         if error is not None and lock is not None:
+            _abandon(root, tmp)
             _lock.release(root, lock)
             lock = None
     error = _sync.from_primary(error, f"start {root}")
@@ -213,33 +226,54 @@ def _start(root: str, tmp: str, overwrite: bool) -> int | None:
     return lock
 
 
-def _write(root: str, tmp: str, old: str, entries: list, arrays: dict) -> None:
-    if arrays:
-        _backend.write(os.path.join(tmp, _backend.STATE), arrays)
-    _sync.barrier(f"data {root}")
-    if _sync.is_primary():
-        _pause_point("before_commit")
-        files = _manifest.hash_files(tmp, _manifest.list_files(tmp), sync=True)
-        body = {
-            "format": _manifest.FORMAT,
-            "version": _manifest.VERSION,
-            "created_unix": time.time(),
-            "jax_version": jax.__version__,
-            "process_count": jax.process_count(),
-            "leaves": entries,
-            "files": files,
-        }
-        _manifest.write(tmp, body)
-        if os.path.isdir(root):
-            os.rename(root, old)
-            _pause_point("between_renames")
-            os.rename(tmp, root)
-            _manifest._fsync_dir(os.path.dirname(root))
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, root)
-            _manifest._fsync_dir(os.path.dirname(root))
+def _write(root: str, tmp: str, old: str, entries: list, arrays: dict, needed: int) -> None:
+    committed = False
+    try:
+        if arrays:
+            _backend.write(os.path.join(tmp, _backend.STATE), arrays)
+        _sync.barrier(f"data {root}")
+        if _sync.is_primary():
+            _pause_point("before_commit")
+            files = _manifest.hash_files(tmp, _manifest.list_files(tmp), sync=True)
+            body = {
+                "format": _manifest.FORMAT,
+                "version": _manifest.VERSION,
+                "save_id": uuid.uuid4().hex,
+                "created_unix": time.time(),
+                "jax_version": jax.__version__,
+                "process_count": jax.process_count(),
+                "leaves": entries,
+                "files": files,
+            }
+            _manifest.write(tmp, body)
+            if os.path.isdir(root):
+                os.rename(root, old)
+                _pause_point("between_renames")
+                os.rename(tmp, root)
+                committed = True
+                _manifest._fsync_dir(os.path.dirname(root))
+                shutil.rmtree(old)
+            else:
+                os.rename(tmp, root)
+                committed = True
+                _manifest._fsync_dir(os.path.dirname(root))
+    except BaseException as e:
+        if _sync.is_primary() and not committed:
+            _abandon(root, tmp)
+        full = _disk_full(root, needed, e) if isinstance(e, Exception) else None
+        if full is not None:
+            raise CheckpointError(full) from e
+        raise
     _sync.barrier(f"commit {root}")
+
+
+def _abandon(root: str, tmp: str) -> None:
+    """Undo an unfinished save: the previous checkpoint back at ``root``, ``tmp`` removed."""
+    try:
+        _recover(root)
+    except OSError:
+        pass
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _recover(root: str) -> None:
@@ -251,3 +285,129 @@ def _recover(root: str) -> None:
         shutil.rmtree(old)  # the new checkpoint was in place; only the cleanup was missed
     else:
         os.rename(old, root)  # the new one never arrived: put the previous one back
+
+
+# -- a full disk ------------------------------------------------------------------------------
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "ENOSPC", "RESOURCE_EXHAUSTED: No space")
+
+
+def _free_bytes(root: str) -> int | None:
+    try:
+        return shutil.disk_usage(os.path.dirname(root) or ".").free
+    except OSError:
+        return None
+
+
+def _full_message(root: str, needed: int) -> str:
+    free = _free_bytes(root)
+    where = f"; {free:,} bytes are free there" if free is not None else ""
+    return (
+        f"save: the file system of {root} is full: this checkpoint needs about {needed:,} bytes "
+        f"(the logical size of its arrays){where}. Nothing of this save was left behind and the "
+        f"checkpoint at {root} (if any) is as it was. Free space or save to another file system."
+    )
+
+
+def _disk_full(root: str, needed: int, error: BaseException) -> str | None:
+    """The message for ``error`` if it (or what caused it) says the disk is full, else None.
+
+    Orbax and tensorstore wrap the ``OSError`` of a failed write in their own errors, so the
+    chain of causes and the messages are searched."""
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
+            return _full_message(root, needed)
+        if any(w in str(e) for w in _FULL_WORDS):
+            return _full_message(root, needed)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _check_free_space(root: str, needed: int) -> None:
+    """Refuse a save that cannot fit before writing anything (process 0, on its file system)."""
+    free = _free_bytes(root)
+    if free is not None and free < needed:
+        raise CheckpointError(_full_message(root, needed))
+
+
+# -- every process saves the same tree --------------------------------------------------------
+
+
+def _digest_array(a) -> str:
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(a)).tobytes()).hexdigest()[:16]
+
+
+def _leaf_digests(entries: list, arrays: dict) -> list[str]:
+    """One digest per leaf of what this process can vouch for: its manifest entry (path, kind,
+    shape, dtype, placement, nd-sbp, a scalar's value), the content of an array this process
+    holds whole, and the shards of a global tensor that other processes hold copies of."""
+    out = []
+    for e in entries:
+        h = hashlib.sha256(json.dumps(e, sort_keys=True).encode())
+        arr = arrays.get(e["name"])
+        if isinstance(arr, np.ndarray):
+            h.update(_digest_array(arr).encode())
+        elif isinstance(arr, jax.Array):
+            if arr.is_fully_addressable and e["kind"] != "global":
+                h.update(_digest_array(arr).encode())
+            else:
+                for key, d in _replicated_shards(arr):
+                    h.update(f"{key}={d};".encode())
+        out.append(h.hexdigest()[:16])
+    return out
+
+
+def _replicated_shards(arr: jax.Array) -> list[tuple[str, str]]:
+    """``(block, digest)`` of this process's copy of every block of ``arr`` that devices of more
+    than one process hold (a ``B`` axis across processes)."""
+    by_block: dict[str, set[int]] = {}
+    for dev, idx in arr.sharding.devices_indices_map(tuple(arr.shape)).items():
+        key = repr(tuple((s.start, s.stop) for s in idx))
+        by_block.setdefault(key, set()).add(dev.process_index)
+    out, done = [], set()
+    for shard in arr.addressable_shards:
+        key = repr(tuple((s.start, s.stop) for s in shard.index))
+        if key in done or len(by_block.get(key, ())) < 2:
+            continue
+        done.add(key)
+        out.append((key, _digest_array(shard.data)))
+    return sorted(out)
+
+
+def _check_same_tree(root: str, entries: list, arrays: dict) -> None:
+    """In a multi-process run, raise ``CheckpointError`` on every process unless every process
+    passed the same tree (see ``_leaf_digests``); nothing is written before this check."""
+    if jax.process_count() == 1:
+        return
+    mine = _leaf_digests(entries, arrays)
+    paths = [e["path"] for e in entries]
+    every = _sync.allgather({"paths": paths, "digests": mine}, f"same tree {root}")
+    ref = every[0]
+    for rank, got in enumerate(every[1:], start=1):
+        if got == ref:
+            continue
+        if got["paths"] != ref["paths"]:
+            only0 = sorted(set(ref["paths"]) - set(got["paths"]))
+            only_r = sorted(set(got["paths"]) - set(ref["paths"]))
+            what = (
+                f"their tree structures differ (only process 0 has {only0[:4] or 'nothing'}, "
+                f"only process {rank} has {only_r[:4] or 'nothing'}"
+                + (", or the leaves come in another order" if not only0 and not only_r else "")
+                + ")"
+            )
+        else:
+            k = next(i for i, (a, b) in enumerate(zip(ref["digests"], got["digests"])) if a != b)
+            where = paths[k] or "the root (the tree is a single leaf)"
+            what = (
+                f"the leaf at {where} differs (its shape, dtype, layout, value, or the copy each "
+                "process holds of a replicated block)"
+            )
+        raise CheckpointError(
+            f"save: processes 0 and {rank} passed different trees to save({root!r}): {what}. "
+            "Every process of a multi-process run must save the same tree (the same global "
+            "tensors, and the same values for scalars and arrays each process holds); nothing "
+            "was written."
+        )

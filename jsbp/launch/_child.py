@@ -13,6 +13,10 @@ with three additions:
   time a rank failed (before its traceback is printed or the others notice) decides which rank
   the launcher blames, and a rank that finished while the others still run is a rank that left
   early, even while it still waits in JAX's shutdown barrier.
+* a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL, and SIGTERM) makes ``faulthandler``
+  write every thread's Python stack to ``$JSBP_LAUNCH_STATUS_DIR/rank<R>.fatal`` as it strikes,
+  before the process dies of it (with the same signal): the file's time is the time of death
+  (the other ranks may notice the death before the launcher does) and its stack says where.
 * ``SIGUSR1`` makes it print every thread's Python stack to stderr (``faulthandler``): the
   launcher asks for it to say where a hung rank is.
 """
@@ -52,10 +56,29 @@ def _exit_code(code) -> int:
     return code if isinstance(code, int) else 1
 
 
+_fatal_file = None  # kept open for the process's life: faulthandler writes to its descriptor
+
+
+def _record_fatal_signals() -> None:
+    global _fatal_file
+    d, rank = os.environ.get("JSBP_LAUNCH_STATUS_DIR"), os.environ.get("RANK")
+    if not d or rank is None:
+        return
+    try:
+        _fatal_file = open(os.path.join(d, f"rank{rank}.fatal"), "w")  # noqa: SIM115
+    except OSError:
+        return
+    faulthandler.enable(file=_fatal_file, all_threads=True)
+    if hasattr(signal, "SIGTERM") and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        # dump, then the default action (the process dies of SIGTERM)
+        faulthandler.register(signal.SIGTERM, file=_fatal_file, all_threads=True, chain=True)
+
+
 def run(argv: list[str]) -> None:
     kind, target, *args = argv
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    _record_fatal_signals()
     try:
         if kind == "module":
             sys.argv = [target, *args]

@@ -1,16 +1,19 @@
 """A save that is killed half way (driven by tests/test_checkpoint.py).
 
-    JSBP_CHECKPOINT_TEST_PAUSE=<point>:<sentinel> python tests/workers/ckpt_kill_worker.py <how> <path> <seed>
+    python tests/workers/ckpt_kill_worker.py <how> <path> <seed> [<point>:<sentinel>[:<seconds>]]
 
-``how`` is ``step`` (``save_step(<path>, seed, tree)``) or ``overwrite`` (``save(<path>, tree,
-overwrite=True)``). The test hook makes the save touch the sentinel file at ``<point>`` and sleep,
-so the parent kills it with SIGKILL at a known point instead of after a guessed delay.
+``how`` is ``step`` (``save_step(<path>, seed, tree)``), ``overwrite`` (``save(<path>, tree,
+overwrite=True)``) or ``loop`` (8 overwrites, alternating the trees of ``seed`` and ``seed + 1``). With the last argument the worker replaces the save's ``_pause_point`` hook
+(as the in-process tests do with ``monkeypatch``): at ``<point>`` the save writes its pid to the
+sentinel file and sleeps, forever (the parent kills it with SIGKILL at a known point instead of
+after a guessed delay) or for ``<seconds>`` (then it goes on).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -40,6 +43,24 @@ def build(jsbp, seed: int) -> dict:
     return tree
 
 
+def pause_at(spec: str):
+    """The ``_pause_point`` replacement for ``<point>:<sentinel>[:<seconds>]``."""
+    point, sentinel, *seconds = spec.split(":")
+
+    def pause(p: str) -> None:
+        if p != point:
+            return
+        with open(sentinel, "w") as f:
+            f.write(str(os.getpid()))
+        if seconds:
+            time.sleep(float(seconds[0]))
+            return
+        while True:  # the parent kills us here
+            time.sleep(1)
+
+    return pause
+
+
 def main() -> None:
     how, path, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -48,10 +69,18 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     import jsbp
     from jsbp import checkpoint as ck
+    from jsbp.checkpoint import _save
+
+    if len(sys.argv) > 4:
+        _save._pause_point = pause_at(sys.argv[4])
 
     tree = build(jsbp, seed)
     if how == "step":
         ck.save_step(path, seed, tree)
+    elif how == "loop":
+        trees = [tree, build(jsbp, seed + 1)]
+        for i in range(8):
+            ck.save(path, trees[i % 2], overwrite=True)
     else:
         ck.save(path, tree, overwrite=True)
     print("saved without being killed", flush=True)

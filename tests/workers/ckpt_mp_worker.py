@@ -8,7 +8,11 @@
 processes (uneven, partial and even layouts) and save them together; each writes its own shards.
 ``load``: both processes load a checkpoint of ``values()`` (written by a single process) onto
 cross-process placements and check every value bit-exactly and every local shape; prints
-``CKPT-WORKER-OK <pid>`` on success. The parent test (tests/test_checkpoint.py) does the other half.
+``CKPT-WORKER-OK <pid>`` on success. ``differ``: each process passes ``save`` a tree that
+differs from the other's (a scalar's value, a numpy array's value, the copies of a tensor
+replicated across both processes, the structure, a tensor each process holds on its own devices) and checks that each save raises the same ``CheckpointError`` on both
+processes, naming the leaf, and writes nothing. The parent test (tests/test_checkpoint.py) does
+the other half.
 """
 
 from __future__ import annotations
@@ -85,7 +89,43 @@ def main() -> None:
 
     vals = values()
     ids = [d.id for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id))]
-    if mode == "save":
+    if mode == "differ":
+        p8 = jsbp.placement("cpu", ids)
+        x = jsbp.tensor(vals["w"], placement=p8, sbp="S(0)")
+        cases = {
+            "['step']": {"x": x, "step": pid},
+            "['n']": {"x": x, "n": np.full(3, float(pid))},
+            # B across both processes, but each process's copies hold its own value
+            "['b']": {
+                "x": x,
+                "b": jsbp.from_local([np.full(8, float(pid))] * LOCAL_DEVICES, placement=p8, sbp="B"),
+            },
+            "structure": {"x": x, f"only_{pid}": 1},
+            # each process saves its own tensor on its own devices (the same shape and sbp)
+            "['local']": {
+                "x": x,
+                "local": jsbp.tensor(
+                    vals["w"] + pid,
+                    placement=jsbp.placement("cpu", [d.id for d in jax.local_devices()]),
+                    sbp="S(0)",
+                ),
+            },
+        }
+        for name, tree in cases.items():
+            try:
+                ck.save(path, tree)
+            except ck.CheckpointError as e:
+                msg = str(e)
+                assert "processes 0 and 1 passed different trees" in msg, msg
+                if name == "structure":
+                    assert "tree structures differ" in msg and "only_0" in msg, msg
+                else:
+                    assert f"the leaf at {name} differs" in msg, msg
+                assert "nothing was written" in msg, msg
+            else:
+                raise AssertionError(f"{name}: different trees were saved without an error")
+            assert not os.path.exists(path), path
+    elif mode == "save":
         tree = {
             k: jsbp.tensor(vals[k], placement=plc, sbp=sbp)
             for k, (plc, sbp) in save_layouts(jsbp, ids).items()

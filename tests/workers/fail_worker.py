@@ -8,6 +8,13 @@ go, so it exits first (the launcher must still blame rank 1). ``sleep`` mode: ev
 rank 1 exits 0 at once, rank 0 sleeps (a rank that leaves early). ``quiet`` mode: every rank
 works silently for 8 s (after a line saying it imported jsbp), calling ``jsbp.distributed.heartbeat`` (not a hang). Every rank writes its
 pid to ``PIDFILE_DIR/rank<R>.pid`` when given.
+
+``tail`` mode: rank 1 exits 0 at once, rank 0 prints a line every 0.2 s for 4 s, then exits 0.
+``segv`` / ``vanish`` / ``kill0`` modes: a victim (rank 1: SIGSEGV, or ``os._exit(0)``; rank 0:
+SIGKILL) ends without a word, and the other rank raises the moment it notices, as a rank waiting
+in a collective does when its peer's sockets close: it holds no lock of its own but polls the
+``flock`` the victim holds on ``PIDFILE_DIR/alive<R>``, which the kernel drops as the victim
+dies, before the launcher can reap it.
 """
 
 from __future__ import annotations
@@ -52,6 +59,32 @@ if mode == "quiet":
     sys.exit(0)
 
 print(f"rank {rank} started", flush=True)
+if mode in ("segv", "vanish", "kill0"):
+    import fcntl
+
+    victim = 0 if mode == "kill0" else 1
+    alive = os.path.join(sys.argv[2], f"alive{victim}")
+    if rank == victim:
+        fd = os.open(alive + ".tmp", os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(alive + ".tmp", alive)
+        time.sleep(0.5)
+        if mode == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        elif mode == "vanish":
+            os._exit(0)
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
+    while not os.path.exists(alive):
+        time.sleep(0.01)
+    fd = os.open(alive, os.O_RDWR)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            time.sleep(0.0005)
+    raise RuntimeError(f"rank {rank}: rank {victim} is gone")
 if mode == "chain":  # rank 1 raises but is slow to exit; rank 0 fails meanwhile, a consequence
     gone = os.path.join(sys.argv[2], "rank1.failing")
     if rank == 1:
@@ -68,6 +101,12 @@ if mode == "chain":  # rank 1 raises but is slow to exit; rank 0 fails meanwhile
         time.sleep(0.001)
     raise RuntimeError("rank 0 fails because rank 1 is going")
 if mode == "leave" and rank == 1:
+    sys.exit(0)
+if mode == "tail":  # rank 1 leaves at once; rank 0 goes on for 4 s, printing
+    if rank == 0:
+        for i in range(20):
+            print(f"rank 0 still working {i}", flush=True)
+            time.sleep(0.2)
     sys.exit(0)
 if rank == 1 and mode not in ("sleep", "leave"):
     time.sleep(0.5)
