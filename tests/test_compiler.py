@@ -929,10 +929,10 @@ def test_partial_sums_read_whole_wait_with_their_readers(case):
     """Gradients reduced where an op reads them whole (an optimizer's ``g * g``): the op waits with
     the conversion (``_combine.lazy_ok``), so the conversions of one kind run as one collective
     when a result is first needed, wherever they stand in the program; one made from such a
-    result (``late``: from ``out[0]``) runs after it. Values as NumPy's. Before pending reads a
-    read that could not wait ran its conversion alone (the data-parallel GPT step planned without
-    lookahead passes: 22 all-reduces), and session 26's early groups took only the conversions of
-    values made before the first read (2 x 4 here: 2 all-reduces)."""
+    result (``late``: from ``out[0]``) runs after it. Values as NumPy's. A read that ran its
+    conversion at once would cut the group (the data-parallel GPT step planned without lookahead
+    passes: 22 all-reduces), and grouping only the values made before the first read gives 2
+    all-reduces on 2 x 4 here."""
     plc, x_sbp, want, combined = _PENDING_CASES[case]
     (g1, r1), (g2, r2), (g3, r3) = (_addends(s, plc, np.float32) for s in [(8, 4), (4,), (8, 8)])
     xv = RNG.standard_normal((8, 4)).astype(np.float32)

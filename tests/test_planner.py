@@ -425,7 +425,7 @@ def test_global_planner_plans_loop_bodies(monkeypatch):
     (``_planner._inline_loop``) the backward body runs in 2.10 MB-eq per iteration, the forward
     one as before (2.10), and the step, each body counted once per iteration, costs 14.03 MB-eq
     against the search's 25.03 (10 compiled collectives -> 6). (Each body planned by itself given
-    the layouts at its boundary, before session 24, the backward body ran in 3.15 MB-eq.) Same loss as the search's plan, whose values
+    the layouts at its boundary, the backward body runs in 3.15 MB-eq.) Same loss as the search's plan, whose values
     ``test_model_zoo`` checks against one device; a second step reads the first update."""
     monkeypatch.delenv("JSBP_PLANNER", raising=False)  # the search's plan (whatever the suite runs under)
     search_fn, state, batch = _zoo_step("scan_mlp", "dp2tp4")
@@ -528,7 +528,7 @@ def test_inlined_loop_converts_a_loop_invariant_once(loop, monkeypatch):
     layout a loop constant enters the loop in is a variable: the column-split weight is
     all-gathered once before the loop and the iterations run with no communication (on
     batch-split rows in the scan). The search, and the global planner with the body planned by
-    itself given the boundary (before session 24: 8.01 MiB-eq as the search), keep the weight
+    itself given the boundary (8.01 MiB-eq, as the search), keep the weight
     split and all-gather the new hidden state every iteration. Values match one device in each."""
     av, hv, xv = rand(32, 32) * 0.2, rand(16, 32), rand(8, 16, 32)
     if loop == "scan":
@@ -564,7 +564,7 @@ def _nested(a, h0, xs):
 def test_nested_bodies_are_inlined_in_turn(monkeypatch):
     """A loop or ``cond`` inside an inlined body is inlined in turn (its iterations multiplying):
     the whole nest is one problem. The column-split weight read in the inner scan and a branch is
-    all-gathered once before the outer loop; the search (as the global planner before session 24) gathers every
+    all-gathered once before the outer loop; the search (as a body planned by itself) gathers every
     iteration (the inner loop's hidden state and the branch's result: 16.03 MiB-eq with
     iterations counted, 2 compiled all-gathers, against 1.00 and 1). Values match one device."""
     av, hv, xv = rand(32, 32) * 0.2, rand(16, 32), rand(4, 16, 32)
