@@ -1,13 +1,45 @@
 """Shared by the training benchmarks (``training.py``, ``models.py``, ``auto.py``): the GSPMD
 baselines' pins (what a jsbp strategy annotates, written as ``with_sharding_constraint`` on
 ``NamedSharding`` s), the interleaved step timer and the short names of collectives in their
-tables."""
+tables. Only jsbp's public API is used (``jsbp.named_sharding``, ``jsbp.debug``), so a refactor of
+jsbp's private modules does not break the benchmarks."""
 
 from __future__ import annotations
 
 import random
 import statistics
 import time
+
+
+def partition_spec(placement, nd, shape):
+    """The ``PartitionSpec`` of nd-sbp ``nd`` for a tensor of ``shape`` on ``placement`` (S and B
+    only): ``jsbp.named_sharding``'s spec, for a ``NamedSharding`` over ``placement.mesh``."""
+    import jsbp
+
+    return jsbp.named_sharding(placement, tuple(nd), len(shape)).spec
+
+
+def is_even(placement, nd, shape) -> bool:
+    """True when every split of nd-sbp ``nd`` divides its dim of ``shape`` (no padded block)."""
+    sizes = dict(zip(placement.axis_names, placement.hierarchy))
+    spec = partition_spec(placement, nd, shape)
+    for n, entry in zip(shape, tuple(spec)):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        ways = 1
+        for a in axes:
+            ways *= sizes[a]
+        if n and n % ways:
+            return False
+    return True
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in B / KiB / MiB / GiB, as jsbp's reports print them."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"
 
 
 def interleaved_medians(fns, states, batches, steps, warmup, seed=0):

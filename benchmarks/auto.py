@@ -26,7 +26,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-from _common import interleaved_medians  # noqa: E402  (benchmarks/ is the script's directory)
+from _common import fmt_bytes, interleaved_medians  # noqa: E402  (benchmarks/ is the script's directory)
 
 SHAPES = {  # name: GPTConfig overrides (vocab comes from the corpus)
     "gpt": {},
@@ -113,7 +113,7 @@ def _prepare(tg, cfg, strategy, host_batch):
     from flax import nnx
 
     import jsbp.flax as jflax
-    from jsbp._cost import estimate, measured_bytes
+    from jsbp.debug import estimate, measured_bytes
 
     model, opt = jflax.shard(tg.init(cfg, 0), strategy)
     state_bytes = max(jflax.local_nbytes((model, opt)))
@@ -122,7 +122,7 @@ def _prepare(tg, cfg, strategy, host_batch):
     graphdef, state = nnx.split((model, opt))
     batch = step.put_batch(host_batch)
     fn = step.pure(graphdef, state, batch)
-    est = estimate(fn.lower_program(state, batch).program)
+    est = estimate(fn, state, batch)
     mem = measured_bytes(fn, state, batch)
 
     def run(state, batch):
@@ -223,8 +223,6 @@ def _hand_name(n):
 
 
 def table(name, cfg, rows, auto_info) -> str:
-    from jsbp._cost import fmt_bytes
-
     best = min(r["ms"] for r in rows if r["name"] in HAND)
     lines = [
         f"\n### {name}: d_model {cfg.d_model}, {cfg.n_layers} layer(s), d_mlp {cfg.d_mlp}, "

@@ -36,7 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYOUT_NAMES = ("dp8", "tp8", "dp2tp4", "zero3")
 
 
-from _common import fmt_coll, interleaved_medians, pins  # noqa: E402  (benchmarks/ is the script's directory)
+from _common import fmt_coll, interleaved_medians, is_even, partition_spec, pins  # noqa: E402  (benchmarks/ is the script's directory)
 
 
 def main(argv=None) -> int:
@@ -222,7 +222,6 @@ def gspmd_step(mod, strategy, host_batch):
 
     import jsbp.flax as jflax
     import jsbp.flax._losses as losses_mod
-    from jsbp._layout import layout_of
 
     plc = strategy.placement
     mesh = plc.mesh
@@ -232,7 +231,7 @@ def gspmd_step(mod, strategy, host_batch):
     def sharding(nd, shape):
         # jax.device_put refuses uneven splits: a dim its axes do not divide stays whole (the
         # nearest pad-free layout), in the stored layouts and in every pin alike
-        spec = layout_of(plc, tuple(nd), tuple(shape)).spec
+        spec = partition_spec(plc, nd, shape)
         entries = []
         for d, e in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
             axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
@@ -245,7 +244,7 @@ def gspmd_step(mod, strategy, host_batch):
     flat = list(nnx.to_flat_state(state))
     plans = jflax.leaf_layouts(flat, strategy)
     uneven = sum(
-        not layout_of(plc, tuple(plans[p].stored), tuple(np.shape(v.get_value()))).is_even
+        not is_even(plc, plans[p].stored, np.shape(v.get_value()))
         for p, v in flat
     )
     state_sh = nnx.from_flat_state(

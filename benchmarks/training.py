@@ -34,7 +34,7 @@ STRATEGIES = {  # name: (parallel, zero, accum)
 }
 
 
-from _common import fmt_coll, interleaved_medians, pins  # noqa: E402  (benchmarks/ is the script's directory)
+from _common import fmt_coll, interleaved_medians, partition_spec, pins  # noqa: E402  (benchmarks/ is the script's directory)
 
 
 def main(argv=None) -> int:
@@ -197,13 +197,12 @@ def hand_written(tg, cfg, strategy, accum, host_batch):
 
     import jsbp.flax as jflax
     import jsbp.flax._losses as losses_mod
-    from jsbp._layout import layout_of
 
     plc = strategy.placement
     mesh = plc.mesh
 
     def spec(nd, shape):
-        return layout_of(plc, tuple(nd), tuple(shape)).spec
+        return partition_spec(plc, nd, shape)
 
     def sharding(nd, shape):
         return NamedSharding(mesh, spec(nd, shape))

@@ -195,3 +195,20 @@ def test_placement_error_is_an_sbp_error():
     b = jsbp.tensor(np.ones(4, np.float32), placement=jsbp.placement("cpu", [2, 3]), sbp="B")
     with pytest.raises(jsbp.SbpError, match="placement"):
         a + b
+
+
+def test_estimate_is_the_cost_models_prediction_of_the_plan():
+    """jsbp.debug.estimate: the plan's collectives and bytes as the cost model counts them, for a
+    jsbp.jit function or a plain one (compiled like explain); the rates come from ``cost``."""
+    import jax.numpy as jnp
+
+    plc = jsbp.placement("cpu", [0, 1, 2, 3])
+    x = jsbp.tensor(np.ones((8, 4), np.float32), placement=plc, sbp="S(0)")
+    gather = jsbp.jit(lambda a: a * 2, out_sbp="B")
+    e = jsbp.debug.estimate(gather, x)
+    assert e.collectives == 1 and e.comm_bytes == 3 / 4 * 8 * 4 * 4  # the 3 blocks a device lacks
+    assert e.input_bytes == 2 * 4 * 4 and e.peak_bytes >= e.input_bytes and e.seconds > 0
+    local = jsbp.debug.estimate(lambda a: jnp.tanh(a), x)  # a plain function: no communication
+    assert local.collectives == 0 and local.comm_bytes == 0
+    slow = jsbp.debug.estimate(gather, x, cost=jsbp.CostModel(latency=1.0))
+    assert slow.seconds > 1.0 > e.seconds

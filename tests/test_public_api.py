@@ -31,6 +31,7 @@ NAMES = [
     ("jsbp.debug", "count_collectives"),
     ("jsbp", "auto_layouts"),
     ("jsbp.debug", "measured_bytes"),
+    ("jsbp.debug", "estimate"),
 ]
 
 

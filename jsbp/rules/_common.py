@@ -10,7 +10,6 @@ from .._boxing import _device_index
 from .._layout import Layout
 from .._sbp import Sbp, broadcast, partial_max, partial_min, partial_sum
 
-S_ = None  # placeholder to keep names readable below
 B = broadcast
 P = partial_sum
 PMAX = partial_max

@@ -46,7 +46,10 @@ class RuleContext:
 class Rule:
     name: str
     signatures: Callable[[RuleContext], Iterable[AxisSignature]]
-    local: Callable | None = None  # local(ctx, ins, in_layouts, out_layouts) -> outs
+    # local(step, ins) -> out (a list when the primitive has several results): runs the primitive
+    # on local shards; ``step`` is the compiler's ``Step`` (``step.eqn``, ``step.in_layouts``,
+    # ``step.out_layouts``), ``ins`` the operands' local shards. None: ``primitive.bind``.
+    local: Callable | None = None
     nd: bool = False  # signatures() returns nd signatures (one sbp tuple per operand) directly
     fallback: bool = False  # no rule was registered: the primitive runs replicated
 
