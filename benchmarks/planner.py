@@ -1,4 +1,5 @@
-"""Planner benchmark: today's signature search against the global planner (``JSBP_PLANNER=global``).
+"""Planner benchmark: the default signature search, the global planner (``JSBP_PLANNER=global``) and the
+planning problem built from the jaxpr (``jsbp/_problem.py``), side by side.
 
 Run from the repository root::
 
@@ -52,11 +53,14 @@ for _p in (ROOT, ROOT / "benchmarks", ROOT / "tests", ROOT / "examples"):
 from _common import fmt_coll  # noqa: E402  (benchmarks/ is on sys.path)
 
 import jsbp  # noqa: E402
-from jsbp import _compiler, _jit, _planner  # noqa: E402
+from jsbp import _compiler, _jit, _lower, _planner, _problem  # noqa: E402
 from jsbp._cost import estimate  # noqa: E402
 from jsbp.debug import count_collectives  # noqa: E402
 
-PLANNERS = ("search", "global")
+PLANNERS = ("search", "global", "new")
+"""``search``: ``jsbp.jit``'s default; ``global``: ``JSBP_PLANNER=global``; ``new``: the problem
+built from the jaxpr (``jsbp/_problem.py``), solved (``_solve``) and lowered (``_lower``), for
+comparison (programs with a loop or a branch it does not express yet are left out)."""
 
 
 # -------------------------------------------------------------------------------------------
@@ -158,7 +162,7 @@ class _Capture:
         self.calls = []
 
     def __enter__(self):
-        self.orig = _jit.infer
+        self.orig = _lower.plan if _NEW[0] else _jit.infer
 
         def infer(*a, **k):
             t = time.perf_counter()
@@ -170,10 +174,14 @@ class _Capture:
         return self
 
     def __exit__(self, *exc):
-        _jit.infer = self.orig
+        _jit.infer = _compiler.infer
+
+
+_NEW = [False]  # whether ``_Capture`` plans with the new formulation
 
 
 def set_planner(name: str) -> None:
+    _NEW[0] = name == "new"
     if name == "global":
         os.environ["JSBP_PLANNER"] = "global"
     else:
@@ -201,8 +209,13 @@ def measure(make) -> dict:
     for planner in PLANNERS:
         set_planner(planner)
         factory, args = make()  # fresh: a train step caches its compiled function
-        with _Capture() as cap:
-            coll = count_collectives(factory(), *args)
+        try:
+            with _Capture() as cap:
+                coll = count_collectives(factory(), *args)
+        except _problem.Unsupported as e:
+            row[planner] = None
+            print(f"    ({planner}: {e} not expressed)", file=sys.stderr, flush=True)
+            continue
         row[planner] = {
             "cost": sum(_compiler.program_cost(c[2]) for c in cap.calls),
             # as it runs: combined collectives once, a loop body's boxings once per iteration;
@@ -240,7 +253,16 @@ def planning_times(layers_list=(1, 4, 16, 24), reps=1, strategy="DPxTP") -> list
             case.jsbp_fn().lower_program(*case.jsbp_args())
         a, k, _, _ = cap.calls[0]
         row = {"strategy": strategy, "layers": layers, "eqns": len(_compiler._dce(a[1]).eqns)}
-        for planner in PLANNERS:
+        best = None
+        for _ in range(reps):  # the new formulation (whole program: it has no repeated-layer path)
+            bc.clear_jsbp_caches()
+            gc.collect()
+            t = time.perf_counter()
+            prog = _lower.plan(*a, **k)
+            dt = time.perf_counter() - t
+            best = dt if best is None else min(best, dt)
+        row["new"] = {"plan_s": best, "cost": _compiler.program_cost(prog), "combined": _planner.combined_cost(prog)}
+        for planner in ("search", "global"):
             for whole in (False, True):  # repeated layers planned once (jsbp/_repeat.py) or not
                 set_planner(planner)
                 if whole:
@@ -353,19 +375,22 @@ def hint_table(rows) -> str:
 
 
 def cost_table(results: dict) -> str:
-    lines = [
-        "| program | search cost (MB-eq) | global cost (MB-eq) | global / search | search collectives | "
-        "global collectives | search plan (s) | global plan (s) |",
-        "|" + "---|" * 8,
-    ]
+    """Per program and planner: the cost as run by the cost model (bytes per device + one
+    ``latency_bytes`` per collective launched; MB-eq), the compiled collectives and the planning
+    seconds. ``-``: a program the planner does not express yet."""
+    lat = jsbp.CostModel().latency_bytes
+    lines = ["| program | " + " | ".join(f"{p} as run (MB-eq) | {p} collectives | {p} plan (s)" for p in PLANNERS) + " |",
+             "|---|" + "---|" * (3 * len(PLANNERS))]
     for name, r in results.items():
-        s, g = r["search"], r["global"]
-        ratio = g["cost"] / s["cost"] if s["cost"] else 1.0
-        lines.append(
-            f"| {name} | {s['cost'] / 1e6:.2f} | {g['cost'] / 1e6:.2f} | {ratio:.3f} | "
-            f"{s['collectives']} ({fmt_coll(s['by_kind'])}) | {g['collectives']} ({fmt_coll(g['by_kind'])}) | "
-            f"{s['plan_s']:.2f} | {g['plan_s']:.2f} |"
-        )
+        cells = []
+        for p in PLANNERS:
+            x = r.get(p)
+            if x is None:
+                cells += ["-", "-", "-"]
+                continue
+            cells += [f"{(x['comm_bytes'] + lat * x['launched']) / 1e6:.3f}",
+                      f"{x['collectives']} ({fmt_coll(x['by_kind'])})", f"{x['plan_s']:.2f}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -374,17 +399,17 @@ def time_table(rows) -> str:
     (repeated layers planned once, ``jsbp/_repeat.py``) and planning the whole program
     (``JSBP_REUSE_LAYERS=0``)."""
     lines = ["| step | blocks | equations | search plan (s) | global plan (s) | search, whole (s) | "
-             "global, whole (s) | search cost / combined (MB-eq) | global cost / combined (MB-eq) | "
-             "global whole cost / combined (MB-eq) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "global, whole (s) | new (s) | search cost / combined (MB-eq) | global cost / combined (MB-eq) | "
+             "global whole cost / combined (MB-eq) | new cost / combined (MB-eq) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def cc(x):
             return f"{x['cost'] / 1e6:.2f} / {x['combined'] / 1e6:.2f}"
 
         lines.append(
             f"| {r['strategy']} | {r['layers']} | {r['eqns']} | {r['search']['plan_s']:.2f} | {r['global']['plan_s']:.2f} | "
-            f"{r['search whole']['plan_s']:.2f} | {r['global whole']['plan_s']:.2f} | "
-            f"{cc(r['search'])} | {cc(r['global'])} | {cc(r['global whole'])} |"
+            f"{r['search whole']['plan_s']:.2f} | {r['global whole']['plan_s']:.2f} | {r['new']['plan_s']:.2f} | "
+            f"{cc(r['search'])} | {cc(r['global'])} | {cc(r['global whole'])} | {cc(r['new'])} |"
         )
     return "\n".join(lines)
 
@@ -410,9 +435,10 @@ def main(argv=None) -> int:
             for name, make in GROUPS[group]().items():
                 results[name] = measure(make)
                 r = results[name]
-                print(f"  {name}: search {r['search']['cost'] / 1e6:.2f} / {r['search']['collectives']} | "
-                      f"global {r['global']['cost'] / 1e6:.2f} / {r['global']['collectives']}",
-                      file=sys.stderr, flush=True)
+                print(f"  {name}: " + " | ".join(
+                    f"{p} " + ("-" if r[p] is None else f"{r[p]['comm_bytes'] / 1e6:.3f} MB / {r[p]['launched']} "
+                                                      f"launched / {r[p]['collectives']} compiled")
+                    for p in PLANNERS), file=sys.stderr, flush=True)
         print(cost_table(results))
     if not args.no_timing and args.only != "hints":
         rows = [r for st in args.timing_steps.split(",")

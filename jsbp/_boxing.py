@@ -169,6 +169,26 @@ def _best(src, dst, ndim, hierarchy, total, frontier=None):
 
 
 @functools.lru_cache(maxsize=1 << 16)
+def conversion_cost(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int,
+                    latency_bytes: float) -> float:
+    """What the conversion ``plan`` runs costs in byte-equivalents per device: the bytes each move
+    receives, ``latency_bytes`` per collective, and each local move's small fixed charge and
+    addends charge (``move_cost``, ``_addends_cost``: a zero-fill S -> P is free by its bytes but
+    makes addends a later collective must reduce)."""
+    if src == dst:
+        return 0.0
+    total = float(math.prod(shape) * itemsize)
+    _, path = _best(src, dst, len(shape), hierarchy, total)
+    state, cost = list(src), 0.0
+    for mv in path:
+        cost += (mv.bytes_per_device + _addends_cost(tuple(state), mv, hierarchy)) * total
+        cost += latency_bytes if mv.collective else move_cost(mv) - mv.bytes_per_device
+        for a in mv.axes:
+            state[a] = mv.dst
+    return cost
+
+
+@functools.lru_cache(maxsize=1 << 16)
 def plan_cost(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int,
               fixed: str = "src"):
     """(``move_cost`` summed over ``plan``'s moves, number of moves), without building them.

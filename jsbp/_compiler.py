@@ -27,7 +27,6 @@ import contextvars
 import dataclasses
 import functools
 import gc
-import itertools
 import math
 import warnings
 
@@ -42,6 +41,7 @@ from ._boxing import COLLECTIVE_LATENCY_BYTES, plan, plan_cost, run_plan
 from ._combine import combine_collectives, run_group
 from ._errors import NoRuleWarning, SbpError
 from ._layout import Layout, layout_of
+from ._problem import call_jaxpr, fresh_vars, legal_signatures, one_partial_kind
 from ._program import (
     WHILE_TRIPS,
     Boxing,
@@ -53,7 +53,6 @@ from ._program import (
     subprograms,
 )
 from .rules import _registry
-from .rules._registry import RuleContext
 
 B = _sbp.broadcast
 
@@ -106,20 +105,6 @@ def _charge(src, dst, shape, hier, size, fixed="src") -> tuple[float, int]:
     return cn
 
 
-def _one_partial_kind(nd) -> bool:
-    """An nd-sbp may not mix partial kinds (partial_sum on one axis, partial_max on another)."""
-    return len({x.reduce for x in nd if x.is_partial}) <= 1
-
-
-def _in_rank(x, rank) -> bool:
-    return (not x.is_split) or 0 <= x.dim < rank
-
-
-def _norm_sig(sig):
-    ins, outs = sig
-    return tuple(ins), (outs,) if isinstance(outs, _sbp.Sbp) else tuple(outs)
-
-
 _NO_BUDGET = float("inf")
 _CHOICES, _OPTIONS, _EQN, _AS_IS = object(), object(), object(), object()  # private keys of ``_Inference.cands_cache`` / ``.choices``
 
@@ -129,7 +114,7 @@ class _Inference:
                  anchored: frozenset = frozenset(), budget: float = _NO_BUDGET, strict: bool = False,
                  copies: dict | None = None):
         self.placement = placement
-        # call equation -> its jaxpr with fresh variables (``_fresh_vars``); shared by the passes of
+        # call equation -> its jaxpr with fresh variables (``_problem.fresh_vars``); shared by the passes of
         # one ``infer`` like ``cands_cache``, so that what one pass learns of a value inside an
         # inlined call (the lookahead's demand) names the same variable in the next
         self.copies = {} if copies is None else copies
@@ -315,7 +300,7 @@ class _Inference:
                 shapes = ", ".join(f"{tuple(v.aval.shape)}" for v in eqn.invars)
                 _registry.get_rule(name, op_desc=f" (operands of shape {shapes} on {self.placement})")
             rule = _registry.replicated_rule(name)
-        legal = _legal_signatures(self.placement, rule, eqn, tuple(cur))
+        legal = legal_signatures(self.placement, rule, eqn, tuple(cur))
         if not legal:
             lays = ", ".join(f"{tuple(v.aval.shape)} {_sbp.nd_str(l.nd_sbp)}" for v, l in zip(eqn.invars, cur))
             raise SbpError(
@@ -686,50 +671,14 @@ def _static_handler(eqn):
     may still decompose an equation for the layouts it sees (``_infer_arg_extremum`` ...)."""
     name = eqn.primitive.name
     handler = _HIGHER_ORDER.get(name)
-    if handler is None and _call_jaxpr(eqn) is not None and name not in _registry.registered():
+    if handler is None and call_jaxpr(eqn) is not None and name not in _registry.registered():
         handler = _infer_call
     return handler
 
 
-def _call_jaxpr(eqn):
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        j = eqn.params.get(key)
-        if isinstance(j, jcore.ClosedJaxpr):
-            return j.jaxpr, list(j.consts)
-        if isinstance(j, jcore.Jaxpr):
-            return j, []
-    return None
-
-
-def _fresh_vars(jaxpr):
-    """A copy of ``jaxpr`` with new variables. JAX traces a helper once and reuses its jaxpr at
-    every call site, so two inlined calls of one helper would otherwise share variables, and with
-    them every cache keyed by variable (conversions, demand, emitted values): the second call
-    would read the first call's values. Nested jaxprs (loop / branch bodies) are their own scopes
-    and stay shared."""
-    new: dict = {}
-
-    def var(v):
-        if isinstance(v, jcore.Literal):
-            return v
-        if isinstance(v, jcore.DropVar):
-            return jcore.DropVar(v.aval)
-        w = new.get(v)
-        if w is None:
-            w = new[v] = jcore.Var(v.aval)
-        return w
-
-    constvars = [var(v) for v in jaxpr.constvars]
-    invars = [var(v) for v in jaxpr.invars]
-    eqns = [e.replace(invars=[var(v) for v in e.invars], outvars=[var(v) for v in e.outvars])
-            for e in jaxpr.eqns]
-    return jaxpr.replace(constvars=constvars, invars=invars, outvars=[var(v) for v in jaxpr.outvars],
-                         eqns=eqns)
-
-
 def _infer_call(inf: _Inference, eqn, cur):
-    jaxpr, consts = _call_jaxpr(eqn)
-    return _inline(inf, eqn, cur, eqn, lambda: (_fresh_vars(jaxpr), consts))
+    jaxpr, consts = call_jaxpr(eqn)
+    return _inline(inf, eqn, cur, eqn, lambda: (fresh_vars(jaxpr), consts))
 
 
 def _inline(inf: _Inference, eqn, cur, key, make):
@@ -939,7 +888,7 @@ def _loop_carry_options(inf, make_sub, carry_init, avals, free, outs_of, gives_b
         mix = [inf.lay(tuple(t.nd_sbp[a] if mask >> a & 1 else c.nd_sbp[a] for a in range(ndim)), aval)
                for c, t, aval in zip(carry_init, trial, avals)]
         key = tuple(m.nd_sbp for m in mix)
-        if key in seen or not all(_one_partial_kind(m.nd_sbp) for m in mix):
+        if key in seen or not all(one_partial_kind(m.nd_sbp) for m in mix):
             continue
         seen.add(key)
         options.append((mix, make_sub(mix, True)))
@@ -1641,47 +1590,9 @@ class _OverBudget(Exception):
 # -------------------------------------------------------------------------------------------
 
 
-def _legal_signatures(placement, rule, eqn, cur=()) -> list[tuple[tuple, tuple]]:
-    """The nd signatures ``rule`` offers for ``eqn`` on ``placement`` (per-axis rules expanded over
-    the axes), normalised to tuples, without those that split a missing dim or mix partial kinds."""
-    ctx = RuleContext(eqn.primitive, dict(eqn.params), tuple(v.aval for v in eqn.invars),
-                      tuple(v.aval for v in eqn.outvars), placement.hierarchy, cur)
-    n_in, n_out = len(eqn.invars), len(eqn.outvars)
-    ranks = [len(v.aval.shape) for v in eqn.invars] + [len(v.aval.shape) for v in eqn.outvars]
-
-    def arity(ins, outs):
-        if len(ins) != n_in or len(outs) != n_out:
-            raise SbpError(
-                f"SBP rule for '{eqn.primitive.name}' returned a signature of the wrong arity: {ins} -> {outs}."
-            )
-
-    if rule.nd:
-        legal = []
-        for sig in rule.signatures(ctx):
-            ins, outs = _norm_sig(sig)
-            arity(ins, outs)
-            nds = [tuple(nd) for nd in (*ins, *outs)]
-            if all(_one_partial_kind(nd) and all(_in_rank(x, r) for x in nd) for nd, r in zip(nds, ranks)):
-                legal.append((tuple(nds[:n_in]), tuple(nds[n_in:])))
-        return legal
-    # per-axis signatures: drop those splitting a missing dim before expanding over the axes
-    per_axis = []
-    for sig in dict.fromkeys(_norm_sig(s) for s in rule.signatures(ctx)):
-        arity(*sig)
-        if all(_in_rank(x, r) for x, r in zip((*sig[0], *sig[1]), ranks)):
-            per_axis.append(sig)
-    legal = []
-    for combo in itertools.product(per_axis, repeat=placement.ndim):
-        ins = tuple(tuple(c[0][i] for c in combo) for i in range(n_in))
-        outs = tuple(tuple(c[1][i] for c in combo) for i in range(n_out))
-        if all(_one_partial_kind(nd) for nd in (*ins, *outs)):
-            legal.append((ins, outs))
-    return legal
-
-
 def candidate_signatures(placement, eqn) -> list[tuple[tuple, tuple]]:
     """Every nd signature the rule of ``eqn`` offers on ``placement`` (after expansion)."""
-    return _legal_signatures(placement, _registry.get_rule(eqn.primitive.name), eqn)
+    return legal_signatures(placement, _registry.get_rule(eqn.primitive.name), eqn)
 
 
 def forced_program(placement, closed, in_nds, out_nds) -> Program:

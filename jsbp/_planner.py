@@ -50,6 +50,7 @@ from jax.extend import core as jcore
 
 from . import _sbp
 from ._boxing import COLLECTIVE_LATENCY_BYTES, _best
+from ._problem import flops
 
 _BCAST = _sbp.broadcast
 
@@ -184,34 +185,18 @@ class Problem:
         return hit * v.weight
 
 
-def _flops(eqn) -> float:
-    """Logical work of ``eqn``: multiply-adds of a contraction, else one per output element."""
-    out = sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
-    name = eqn.primitive.name
-    if name == "dot_general":
-        (lc, _), _ = eqn.params["dimension_numbers"]
-        shape = eqn.invars[0].aval.shape
-        return 2.0 * out * math.prod(shape[d] for d in lc)
-    if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval.shape
-        dn = eqn.params["dimension_numbers"]
-        out_feat = rhs[dn.rhs_spec[0]] if dn is not None else rhs[0]
-        return 2.0 * out * math.prod(rhs) / max(out_feat, 1)
-    return float(out)
-
-
 def _work(eqn, cands, hierarchy) -> np.ndarray:
     """Per candidate: the byte-equivalent cost of the work one device does. An axis divides the
     work when some operand or result is split on it; on an axis where everything is B or P every
     device repeats the whole computation."""
-    flops = _flops(eqn) * COMPUTE_BYTES_PER_FLOP
+    work = flops(eqn) * COMPUTE_BYTES_PER_FLOP
     out = np.empty(len(cands))
     for n, (ins, outs) in enumerate(cands):
         ways = 1
         for a, size in enumerate(hierarchy):
             if any(nd[a].is_split for nd in (*ins, *outs)):
                 ways *= size
-        out[n] = flops / ways
+        out[n] = work / ways
     return out
 
 

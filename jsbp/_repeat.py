@@ -189,8 +189,8 @@ class _Repeats:
     def _flatten(self, jaxpr, copies, C):
         for e in jaxpr.eqns:
             if C._static_handler(e) is C._infer_call:
-                body, cs = copies.get(e) or copies.setdefault(e, (C._fresh_vars(C._call_jaxpr(e)[0]),
-                                                                  C._call_jaxpr(e)[1]))
+                body, cs = copies.get(e) or copies.setdefault(e, (C.fresh_vars(C.call_jaxpr(e)[0]),
+                                                                  C.call_jaxpr(e)[1]))
                 for bv, ov in zip(body.invars, e.invars):
                     self.alias[bv] = self.resolve(ov)
                 self.inner_consts += list(zip(body.constvars, cs))

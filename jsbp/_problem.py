@@ -1,0 +1,368 @@
+"""The planning problem of a program, built from its jaxpr and the rule registry.
+
+* **nodes**: one per equation that has a choice: a primitive (its candidates: the rule's legal nd
+  signatures on the placement, ``legal_signatures``) or a layout request (``to_global``,
+  ``reshard``, ``with_sharding_constraint``: its candidates are the layouts the request allows).
+  Calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat`` ...) are inlined.
+* **values**: one per variable of the inlined program; a value's layout is its producer's chosen
+  output nd-sbp, or fixed (a program input or constant: the layout it arrives in; a literal: B).
+* **costs**, from one ``CostModel`` (``_cost``): converting a value to a layout its readers need
+  costs the boxing planner's bytes per device plus ``latency_bytes`` per collective, once per
+  (value, layout) however many readers share it; a node costs the work a device does under its
+  candidate (FLOPs of a contraction, one per output element otherwise) at the model's rates; an
+  output asked for in a layout (``out_sbp``) pays its conversion.
+
+``Problem.cost(choice)`` is the objective of an assignment (one candidate per node);
+``_solve`` minimises it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+from jax.extend import core as jcore
+
+from . import _sbp
+from ._boxing import conversion_cost
+from ._cost import DEFAULT_COST, CostModel, itemsize
+from ._errors import SbpError
+from ._layout import layout_of
+from .rules import _registry
+from .rules._registry import RuleContext
+
+B = _sbp.broadcast
+
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                   "custom_vjp_call_jaxpr", "remat", "checkpoint", "custom_lin"})
+"""Call-like primitives: their jaxpr is inlined into the caller's problem."""
+
+REQUESTS = frozenset({"jsbp_to_global", "reshard", "sharding_constraint"})
+"""Layout requests: the value is boxed to the layout asked for (an identity on local shards)."""
+
+
+class Unsupported(Exception):
+    """The program holds a construct this formulation does not express yet (a loop, a branch)."""
+
+
+# -------------------------------------------------------------------------------------------
+# candidate signatures
+# -------------------------------------------------------------------------------------------
+
+
+def one_partial_kind(nd) -> bool:
+    """An nd-sbp may not mix partial kinds (partial_sum on one axis, partial_max on another)."""
+    return len({x.reduce for x in nd if x.is_partial}) <= 1
+
+
+def _in_rank(x, rank) -> bool:
+    return (not x.is_split) or 0 <= x.dim < rank
+
+
+def _norm_sig(sig):
+    ins, outs = sig
+    return tuple(ins), (outs,) if isinstance(outs, _sbp.Sbp) else tuple(outs)
+
+
+def legal_signatures(placement, rule, eqn, cur=()) -> list[tuple[tuple, tuple]]:
+    """The nd signatures ``rule`` offers for ``eqn`` on ``placement`` (per-axis rules expanded over
+    the axes), normalised to tuples, without those that split a missing dim or mix partial kinds."""
+    ctx = RuleContext(eqn.primitive, dict(eqn.params), tuple(v.aval for v in eqn.invars),
+                      tuple(v.aval for v in eqn.outvars), placement.hierarchy, cur)
+    n_in, n_out = len(eqn.invars), len(eqn.outvars)
+    ranks = [len(v.aval.shape) for v in eqn.invars] + [len(v.aval.shape) for v in eqn.outvars]
+
+    def arity(ins, outs):
+        if len(ins) != n_in or len(outs) != n_out:
+            raise SbpError(
+                f"SBP rule for '{eqn.primitive.name}' returned a signature of the wrong arity: {ins} -> {outs}."
+            )
+
+    if rule.nd:
+        legal = []
+        for sig in rule.signatures(ctx):
+            ins, outs = _norm_sig(sig)
+            arity(ins, outs)
+            nds = [tuple(nd) for nd in (*ins, *outs)]
+            if all(one_partial_kind(nd) and all(_in_rank(x, r) for x in nd) for nd, r in zip(nds, ranks)):
+                legal.append((tuple(nds[:n_in]), tuple(nds[n_in:])))
+        return legal
+    per_axis = []
+    for sig in dict.fromkeys(_norm_sig(s) for s in rule.signatures(ctx)):
+        arity(*sig)
+        if all(_in_rank(x, r) for x, r in zip((*sig[0], *sig[1]), ranks)):
+            per_axis.append(sig)
+    legal = []
+    for combo in itertools.product(per_axis, repeat=placement.ndim):
+        ins = tuple(tuple(c[0][i] for c in combo) for i in range(n_in))
+        outs = tuple(tuple(c[1][i] for c in combo) for i in range(n_out))
+        if all(one_partial_kind(nd) for nd in (*ins, *outs)):
+            legal.append((ins, outs))
+    return legal
+
+
+def layouts(shape, ndim: int) -> list[tuple]:
+    """Every nd-sbp of a tensor of ``shape`` on ``ndim`` placement axes (S of each dim, B, P)."""
+    per_axis = [_sbp.split(d) for d in range(len(shape))] + [B, _sbp.partial_sum]
+    return [nd for nd in itertools.product(per_axis, repeat=ndim)]
+
+
+# -------------------------------------------------------------------------------------------
+# the problem
+# -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class Value:
+    """One variable of the inlined program."""
+
+    aval: object
+    nd: tuple | None = None  # a fixed layout (program input, constant, literal)
+    producer: tuple | None = None  # (node, output index)
+    uses: list = dataclasses.field(default_factory=list)  # (node, operand index)
+    wants: list = dataclasses.field(default_factory=list)  # layouts asked of it as a program output
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.aval.shape)
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    """One equation with a choice: its candidate signatures and the work each costs."""
+
+    eqn: object
+    cands: list  # [(in nd-sbps, out nd-sbps)]
+    operands: list  # per operand: Value, or None for a literal
+    outputs: list  # per output: Value, or None for a dropped result
+    compute: np.ndarray  # per candidate, in byte-equivalents
+    rule: object = None
+    kind: str = "prim"  # prim | annotate
+
+
+@dataclasses.dataclass(eq=False)
+class Problem:
+    placement: object
+    model: CostModel
+    nodes: list
+    values: list
+    invars: list  # the program's inputs, as Values
+    outvars: list  # the program's outputs, as Values (a literal output: a Value with nd B)
+    alias: dict  # variable of the inlined program -> its Value
+    # the program's structure for lowering: per equation ("node", index) or ("call", equation,
+    # inlined jaxpr with fresh variables, its constants, its own structure)
+    structure: list = dataclasses.field(default_factory=list, repr=False)
+
+    def conversion(self, val: Value, src: tuple, dst: tuple) -> float:
+        """Boxing ``val`` from ``src`` to ``dst`` (``_boxing.conversion_cost``: bytes per device,
+        ``latency_bytes`` per collective, local moves' small charges)."""
+        if src == dst:
+            return 0.0
+        return conversion_cost(src, dst, val.shape, self.placement.hierarchy, itemsize(val.aval.dtype),
+                               self.model.latency_bytes)
+
+    def layout(self, val: Value, choice) -> tuple:
+        if val.producer is None:
+            return val.nd
+        u, j = val.producer
+        return self.nodes[u].cands[choice[u]][1][j]
+
+    def wanted(self, val: Value, choice) -> set:
+        """The layouts ``val``'s readers (and the program's outputs) need it in under ``choice``."""
+        out = {self.nodes[u].cands[choice[u]][0][i] for u, i in val.uses}
+        out.update(val.wants)
+        return out
+
+    def value_cost(self, val: Value, choice) -> float:
+        src = self.layout(val, choice)
+        return sum(self.conversion(val, src, t) for t in self.wanted(val, choice))
+
+    def cost(self, choice) -> float:
+        """The objective of ``choice`` (one candidate index per node)."""
+        total = sum(float(n.compute[c]) for n, c in zip(self.nodes, choice))
+        return total + sum(self.value_cost(v, choice) for v in self.values)
+
+
+def flops(eqn) -> float:
+    """Logical work of ``eqn``: multiply-adds of a contraction, else one per output element."""
+    out = sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        shape = eqn.invars[0].aval.shape
+        return 2.0 * out * math.prod(shape[d] for d in lc)
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        dn = eqn.params["dimension_numbers"]
+        out_feat = rhs[dn.rhs_spec[0]] if dn is not None else rhs[0]
+        return 2.0 * out * math.prod(rhs) / max(out_feat, 1)
+    return float(out)
+
+
+def _work(eqn, cands, hierarchy, model: CostModel) -> np.ndarray:
+    """Per candidate: the time one device computes, in byte-equivalents (``link_bandwidth``
+    bytes per second). An axis divides the work when some operand or result is split on it; on an
+    axis where everything is B or P every device repeats the whole computation."""
+    heavy = eqn.primitive.name in ("dot_general", "conv_general_dilated")
+    rate = model.flop_rate if heavy else model.mem_bandwidth / 8.0  # ~8 bytes read + written an element
+    seconds = flops(eqn) / rate
+    out = np.empty(len(cands))
+    for n, (ins, outs) in enumerate(cands):
+        ways = 1
+        for a, size in enumerate(hierarchy):
+            if any(nd[a].is_split for nd in (*ins, *outs)):
+                ways *= size
+        out[n] = seconds / ways * model.link_bandwidth
+    return out
+
+
+def call_jaxpr(eqn):
+    """The jaxpr and constants a call-like equation runs, or None."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        if isinstance(j, jcore.ClosedJaxpr):
+            return j.jaxpr, list(j.consts)
+        if isinstance(j, jcore.Jaxpr):
+            return j, []
+    return None
+
+
+def is_call(eqn) -> bool:
+    name = eqn.primitive.name
+    return name in CALLS or (call_jaxpr(eqn) is not None and name not in _registry.registered()
+                             and name not in ("scan", "while", "cond", "custom_linear_solve"))
+
+
+def build(placement, jaxpr, consts, in_layouts, out_nd=None, *, model: CostModel = DEFAULT_COST,
+          strict: bool = False) -> Problem:
+    """The problem of ``jaxpr`` on ``placement``: inputs in ``in_layouts`` (Layouts), outputs
+    asked in ``out_nd`` (per output an nd-sbp or None). Raises ``Unsupported`` for a program with
+    a loop or a branch."""
+    from ._interop import requested_nd
+
+    hier = placement.hierarchy
+    nodes: list[Node] = []
+    values: list[Value] = []
+    alias: dict = {}
+    cands_memo: dict = {}
+    b = (B,) * placement.ndim
+
+    def new_value(aval, nd=None) -> Value:
+        val = Value(aval, nd=nd)
+        values.append(val)
+        return val
+
+    def read(v) -> Value:
+        if isinstance(v, jcore.Literal):
+            return new_value(v.aval, b)
+        return alias[v]
+
+    def candidates(eqn):
+        try:
+            key = (eqn.primitive, tuple(sorted(eqn.params.items())),
+                   tuple(v.aval for v in eqn.invars), tuple(v.aval for v in eqn.outvars))
+            hash(key)
+        except TypeError:
+            key = eqn
+        hit = cands_memo.get(key)
+        if hit is None:
+            rule = _registry._RULES.get(eqn.primitive.name)
+            if rule is None:
+                if strict:
+                    shapes = ", ".join(f"{tuple(v.aval.shape)}" for v in eqn.invars)
+                    _registry.get_rule(eqn.primitive.name, op_desc=f" (operands of shape {shapes} on {placement})")
+                rule = _registry.replicated_rule(eqn.primitive.name)
+            cands = legal_signatures(placement, rule, eqn)
+            if not cands:
+                raise SbpError(f"no legal SBP signature for '{eqn.primitive.name}' on {placement}; "
+                               "box an operand with jsbp.to_global(..., sbp=...) to a layout the op supports.")
+            hit = cands_memo[key] = (rule, cands, _work(eqn, cands, hier, model))
+        return hit
+
+    def walk(jx, consts, out: list):
+        for v in jx.constvars[: len(consts)]:
+            alias[v] = new_value(v.aval, b)
+        for eqn in jx.eqns:
+            name = eqn.primitive.name
+            if name in ("scan", "while", "cond", "custom_linear_solve"):
+                raise Unsupported(name)
+            ins = [read(v) for v in eqn.invars]
+            if is_call(eqn):
+                inner, inner_consts = call_jaxpr(eqn)
+                inner = fresh_vars(inner)  # a helper traced once and called twice: two scopes
+                for v, val in zip(inner.invars, ins):
+                    alias[v] = val
+                sub: list = []
+                walk(inner, inner_consts, sub)
+                for o, v in zip(eqn.outvars, inner.outvars):
+                    if not isinstance(o, jcore.DropVar):
+                        alias[o] = read(v)
+                out.append(("call", eqn, inner, inner_consts, sub))
+                continue
+            u = len(nodes)
+            if name in REQUESTS:
+                (x,) = ins
+                shape = x.shape
+                if name == "jsbp_to_global":
+                    nd = eqn.params["nd"]
+                    allowed = layouts(shape, placement.ndim) if nd is None else [tuple(nd)]
+                else:
+                    allowed = []
+                    for lay in layouts(shape, placement.ndim):
+                        req = requested_nd(eqn, layout_of(placement, lay, shape), placement)
+                        allowed.append(lay if req is None else req)
+                allowed = [nd for nd in dict.fromkeys(allowed) if one_partial_kind(nd)
+                           and all(_in_rank(s, len(shape)) for s in nd)]
+                cands = [((nd,), (nd,)) for nd in allowed]
+                node = Node(eqn, cands, [x], [], np.zeros(len(cands)), kind="annotate")
+            else:
+                rule, cands, work = candidates(eqn)
+                node = Node(eqn, cands, ins, [], work, rule=rule)
+            for i, val in enumerate(ins):
+                val.uses.append((u, i))
+            for j, o in enumerate(eqn.outvars):
+                if isinstance(o, jcore.DropVar):
+                    node.outputs.append(None)
+                    continue
+                val = new_value(o.aval)
+                val.producer = (u, j)
+                alias[o] = val
+                node.outputs.append(val)
+            nodes.append(node)
+            out.append(("node", u))
+
+    invars = []
+    for v, lay in zip(jaxpr.invars, in_layouts):
+        alias[v] = val = new_value(v.aval, tuple(lay.nd_sbp))
+        invars.append(val)
+    structure: list = []
+    walk(jaxpr, consts, structure)
+    outvars = [read(v) for v in jaxpr.outvars]
+    for val, want in zip(outvars, out_nd or ()):
+        if want is not None:
+            val.wants.append(tuple(want))
+    return Problem(placement, model, nodes, values, invars, outvars, alias, structure=structure)
+
+
+def fresh_vars(jaxpr):
+    """A copy of ``jaxpr`` with new variables (nested jaxprs, their own scopes, stay shared)."""
+    new: dict = {}
+
+    def var(v):
+        if isinstance(v, jcore.Literal):
+            return v
+        if isinstance(v, jcore.DropVar):
+            return jcore.DropVar(v.aval)
+        w = new.get(v)
+        if w is None:
+            w = new[v] = jcore.Var(v.aval)
+        return w
+
+    constvars = [var(v) for v in jaxpr.constvars]
+    invars = [var(v) for v in jaxpr.invars]
+    eqns = [e.replace(invars=[var(v) for v in e.invars], outvars=[var(v) for v in e.outvars])
+            for e in jaxpr.eqns]
+    return jaxpr.replace(constvars=constvars, invars=invars, outvars=[var(v) for v in jaxpr.outvars],
+                         eqns=eqns)
