@@ -203,10 +203,10 @@ def compute_cost(prog, times: float = 1.0) -> float:
     return total
 
 
-def measure(make) -> dict:
+def measure(make, planners=PLANNERS) -> dict:
     """Per planner: program cost, collectives of the compiled program, planning seconds."""
-    row = {}
-    for planner in PLANNERS:
+    row = dict.fromkeys(PLANNERS)
+    for planner in planners:
         set_planner(planner)
         factory, args = make()  # fresh: a train step caches its compiled function
         try:
@@ -417,6 +417,7 @@ def time_table(rows) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated subset of " + ",".join(GROUPS))
+    ap.add_argument("--planners", default=",".join(PLANNERS), help="comma-separated subset of " + ",".join(PLANNERS))
     ap.add_argument("--timing-only", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--layers", default="1,4,16,24", help="blocks of the timing rows")
@@ -433,7 +434,7 @@ def main(argv=None) -> int:
     if not args.timing_only and args.only != "hints":
         for group in [g for g in (args.only.split(",") if args.only else GROUPS) if g and g != "hints"]:
             for name, make in GROUPS[group]().items():
-                results[name] = measure(make)
+                results[name] = measure(make, tuple(args.planners.split(",")))
                 r = results[name]
                 print(f"  {name}: " + " | ".join(
                     f"{p} " + ("-" if r[p] is None else f"{r[p]['comm_bytes'] / 1e6:.3f} MB / {r[p]['launched']} "
