@@ -50,7 +50,7 @@ from jax.extend import core as jcore
 
 from . import _sbp
 from ._boxing import COLLECTIVE_LATENCY_BYTES, _best
-from ._problem import flops
+from ._problem import flops, split_ways
 
 _BCAST = _sbp.broadcast
 
@@ -186,18 +186,8 @@ class Problem:
 
 
 def _work(eqn, cands, hierarchy) -> np.ndarray:
-    """Per candidate: the byte-equivalent cost of the work one device does. An axis divides the
-    work when some operand or result is split on it; on an axis where everything is B or P every
-    device repeats the whole computation."""
-    work = flops(eqn) * COMPUTE_BYTES_PER_FLOP
-    out = np.empty(len(cands))
-    for n, (ins, outs) in enumerate(cands):
-        ways = 1
-        for a, size in enumerate(hierarchy):
-            if any(nd[a].is_split for nd in (*ins, *outs)):
-                ways *= size
-        out[n] = work / ways
-    return out
+    """Per candidate: the byte-equivalent cost of the work one device does (``split_ways``)."""
+    return flops(eqn) * COMPUTE_BYTES_PER_FLOP / split_ways(cands, hierarchy)
 
 
 def build(inf, prog, jaxpr, out_nd, weights=None) -> Problem:

@@ -201,21 +201,26 @@ def flops(eqn) -> float:
     return float(out)
 
 
-def _work(eqn, cands, hierarchy, model: CostModel) -> np.ndarray:
-    """Per candidate: the time one device computes, in byte-equivalents (``link_bandwidth``
-    bytes per second). An axis divides the work when some operand or result is split on it; on an
-    axis where everything is B or P every device repeats the whole computation."""
-    heavy = eqn.primitive.name in ("dot_general", "conv_general_dilated")
-    rate = model.flop_rate if heavy else model.mem_bandwidth / 8.0  # ~8 bytes read + written an element
-    seconds = flops(eqn) / rate
+def split_ways(cands, hierarchy) -> np.ndarray:
+    """Per candidate: how many ways it divides the work, the product of the axes some operand or
+    result is split on (on an axis where everything is B or P every device repeats the work)."""
     out = np.empty(len(cands))
     for n, (ins, outs) in enumerate(cands):
         ways = 1
         for a, size in enumerate(hierarchy):
             if any(nd[a].is_split for nd in (*ins, *outs)):
                 ways *= size
-        out[n] = seconds / ways * model.link_bandwidth
+        out[n] = ways
     return out
+
+
+def _work(eqn, cands, hierarchy, model: CostModel) -> np.ndarray:
+    """Per candidate: the time one device computes, in byte-equivalents (``link_bandwidth``
+    bytes per second): a contraction's FLOPs at ``flop_rate``, another op's elements at
+    ``mem_bandwidth`` (about 8 bytes read and written an element), divided as ``split_ways``."""
+    heavy = eqn.primitive.name in ("dot_general", "conv_general_dilated")
+    rate = model.flop_rate if heavy else model.mem_bandwidth / 8.0
+    return flops(eqn) / rate * model.link_bandwidth / split_ways(cands, hierarchy)
 
 
 def call_jaxpr(eqn):
