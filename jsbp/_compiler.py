@@ -725,7 +725,8 @@ def _infer_arg_extremum(inf: _Inference, eqn, cur):
     return _inline(inf, eqn, cur, ("arg_extremum", eqn), lambda: _arg_extremum_jaxpr(eqn))
 
 
-_SCANS = {"cumsum": jnp.cumsum, "cumprod": jnp.cumprod, "cummax": None, "cummin": None}
+_SCANS = frozenset({"cumsum", "cumprod", "cummax", "cummin"})
+"""Cumulative ops run blockwise along an evenly split dim (``_blocked_scan_jaxpr``)."""
 
 
 def _scan_blocks(eqn, lay: Layout) -> int:
@@ -781,8 +782,8 @@ def _infer_blocked_scan(inf: _Inference, eqn, cur):
     return _inline(inf, eqn, cur, ("blocked_scan", eqn, k), lambda: _blocked_scan_jaxpr(eqn, k))
 
 
-_BLOCK_REDUCTIONS = {"reduce_prod": lax.mul, "reduce_and": lax.bitwise_and, "reduce_or": lax.bitwise_or,
-                     "reduce_xor": lax.bitwise_xor}
+_BLOCK_REDUCTIONS = frozenset({"reduce_prod", "reduce_and", "reduce_or", "reduce_xor"})
+"""Reductions run blockwise over an evenly split dim (``_blocked_reduce_jaxpr``)."""
 
 
 def _reduce_blocks(eqn, lay: Layout) -> tuple[int, int]:
