@@ -119,8 +119,23 @@ _PROGRAMS: OrderedDict = OrderedDict()
 _PROGRAMS_MAX = 64  # compiled programs kept (least recently used dropped first)
 
 
+_UNHASHED: list = []  # (key, program) for keys that do not hash, found by ==, newest last
+
+
 def _cached(key, make):
-    prog = _PROGRAMS.get(key)
+    """The program for ``key``, made once. A key holding a module's ``GraphDef`` need not hash
+    (a ``@dataclass`` config stored on a module): such keys are compared with ``==``."""
+    try:
+        prog = _PROGRAMS.get(key)
+    except TypeError:
+        for i, (k, p) in enumerate(_UNHASHED):
+            if _same(k, key):
+                _UNHASHED.append(_UNHASHED.pop(i))
+                return p
+        prog = make()
+        _UNHASHED.append((key, prog))
+        del _UNHASHED[:-_PROGRAMS_MAX]
+        return prog
     if prog is None:
         prog = _PROGRAMS[key] = make()
         while len(_PROGRAMS) > _PROGRAMS_MAX:
@@ -128,6 +143,13 @@ def _cached(key, make):
     else:
         _PROGRAMS.move_to_end(key)
     return prog
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an == that raises or is ambiguous (an array attribute): not the same
+        return False
 
 
 def _signature(*trees) -> tuple:
