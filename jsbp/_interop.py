@@ -36,7 +36,7 @@ from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
 
 __all__ = ["named_sharding", "explicit_mesh", "layout_of_array", "to_jax_array", "meshless",
-           "requested_nd", "lift_out_shardings", "trace_with_mesh"]
+           "requested_nd", "lift_out_shardings", "trace_with_mesh", "under_transformation"]
 
 
 # -------------------------------------------------------------------------------------------
@@ -207,6 +207,15 @@ def to_jax_array(x) -> jax.Array:
     with no_context_mesh():  # a device-side slice of each addend, whatever mesh the user has set
         datas = [s.data[0] for s in shards] if lay.partial_axes else [s.data for s in shards]
     return jax.make_array_from_single_device_arrays(lay.shape, ns, datas, dtype=phys.dtype)
+
+
+def under_transformation() -> bool:
+    """Whether a JAX transformation (``jax.jit``, ``jax.grad``, ``jax.vmap``...) is tracing now:
+    ``x.to_jax()`` there is the plain logical value, whether ``x`` holds a tracer or a concrete
+    array (an argument ``jax.grad`` does not differentiate, a closed-over tensor)."""
+    from jax._src import core as jcore
+
+    return not jcore.trace_state_clean()
 
 
 # -------------------------------------------------------------------------------------------

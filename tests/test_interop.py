@@ -146,6 +146,46 @@ def test_to_jax_under_a_transformation_is_the_logical_value():
     np.testing.assert_allclose(np.asarray(out), x.numpy() * 2, rtol=1e-6)
 
 
+BOXINGS = [("S(0)", "B"), ("B", "S(1)"), ("P", "B"), ("S(1)", "S(0)")]
+GRAD_SBPS = [None, "B", "S(0)", "S(1)", "P"]
+
+
+@pytest.mark.parametrize("grad_sbp", GRAD_SBPS, ids=str)
+@pytest.mark.parametrize("src,dst", BOXINGS, ids=lambda v: str(v))
+def test_plain_jax_grad_through_to_global_and_to_jax(src, dst, grad_sbp):
+    """``jax.grad`` (plain JAX) of a function that boxes one tensor with ``to_global(sbp=,
+    grad_sbp=)`` and computes on ``.to_jax()`` of it and of another global tensor — one
+    differentiated, one not (a concrete argument) — gives plain JAX's gradients; before, the
+    concrete tensor's ``to_jax()`` lived on another mesh than the traced ones ("Mesh for all inputs
+    should be equal")."""
+    xv, wv = value((8, 4), 11), value((4, 6), 12)
+    x = jsbp.tensor(xv, placement=P4, sbp="B" if src == "P" else src)
+    if src == "P":
+        x = x.to_global(sbp="P")
+    w = jsbp.tensor(wv, placement=P4, sbp="S(1)")
+
+    def f(x, w):
+        y = x.to_global(sbp=dst, grad_sbp=grad_sbp)
+        return jnp.sum(jnp.tanh(y.to_jax() @ w.to_jax()) ** 2)
+
+    def ref(x, w):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    gx_ref, gw_ref = jax.grad(ref, argnums=(0, 1))(xv, wv)
+    gx = jax.grad(f)(x, w)  # w is not differentiated: a concrete tensor inside the trace
+    assert isinstance(gx, jsbp.GlobalTensor) and gx.shape == (8, 4)
+    np.testing.assert_allclose(gx.numpy(), gx_ref, rtol=1e-5, atol=1e-5)
+    gx2, gw2 = jax.grad(f, argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(gx2.numpy(), gx_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw2.numpy(), gw_ref, rtol=1e-5, atol=1e-5)
+    # the same under jax.jit around it
+    gx3 = jax.jit(jax.grad(f))(x, w)
+    np.testing.assert_allclose(gx3.numpy(), gx_ref, rtol=1e-5, atol=1e-5)
+    # a closed-over tensor read inside the transformation
+    gx4 = jax.grad(lambda x: f(x, w))(x)
+    np.testing.assert_allclose(gx4.numpy(), gx_ref, rtol=1e-5, atol=1e-5)
+
+
 # -- JAX's sharding calls inside jsbp.jit -------------------------------------------------------------
 
 
