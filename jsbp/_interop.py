@@ -36,7 +36,8 @@ from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
 
 __all__ = ["named_sharding", "explicit_mesh", "layout_of_array", "to_jax_array", "meshless",
-           "requested_nd", "lift_out_shardings", "trace_with_mesh", "under_transformation"]
+           "requested_nd", "lift_out_shardings", "trace_with_mesh", "under_transformation",
+           "typed_avals", "retype"]
 
 
 # -------------------------------------------------------------------------------------------
@@ -335,17 +336,105 @@ def _needs_mesh(err: Exception) -> bool:
     return "mesh context" in msg or "mesh in context" in msg or "context mesh cannot be empty" in msg
 
 
-def trace_with_mesh(make, plc: Placement):
-    """``make()`` (a trace of the user's function). If no context mesh is set and the function
-    needs one (it passes a bare ``PartitionSpec`` to ``reshard`` / ``out_sharding=`` ...), trace
-    again under an ``Explicit`` abstract mesh of the placement, so its axis names resolve."""
-    try:
-        return make()
-    except (ValueError, RuntimeError) as e:
-        if _context_mesh_set() or not _needs_mesh(e):
+def _typed_spec(mesh, shape, nd) -> PartitionSpec:
+    """The spec JAX's types can hold for a value of ``shape`` laid out as ``nd`` on ``mesh`` (the
+    placement's axis names): each split axis named on its dim where the dim divides evenly (JAX's
+    types hold no uneven split), ``B`` and ``P`` axes left out (inside ``jsbp.jit`` a ``P`` value is
+    its logical sum: JAX would refuse every non-linear op on an ``unreduced`` type)."""
+    names = mesh.axis_names
+    sizes = _mesh_axis_sizes(mesh)
+    entries = []
+    for d in range(len(shape)):
+        axes = tuple(names[a] for a, x in enumerate(nd) if x.is_split and x.dim == d)
+        ways = int(np.prod([sizes[n] for n in axes])) if axes else 1
+        if not axes or shape[d] % ways:
+            entries.append(None)
+        else:
+            entries.append(axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*entries)
+
+
+def typed_avals(abstract, layouts, plc: Placement) -> list:
+    """``abstract`` (``jax.ShapeDtypeStruct`` s of ``jsbp.jit``'s logical arguments) typed with
+    their layouts as ``NamedSharding`` s over the placement's ``Explicit`` mesh, so that
+    ``jax.typeof(x).sharding`` inside the traced function is the argument's layout."""
+    mesh = explicit_mesh(plc)
+    out = []
+    for a, lay in zip(abstract, layouts):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):  # a key array: B, untyped
+            out.append(a)
+            continue
+        spec = _typed_spec(mesh, a.shape, lay.nd_sbp)
+        out.append(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=NamedSharding(mesh, spec)))
+    return out
+
+
+def retype(aval, nd):
+    """The type of ``to_global(x, sbp=nd)`` inside a typed trace: ``x``'s type with the sharding
+    of ``nd`` (an untyped trace, or a value on no mesh, keeps its type)."""
+    sh = getattr(aval, "sharding", None)
+    if nd is None or not isinstance(sh, NamedSharding) or sh.mesh.empty or len(nd) != len(sh.mesh.axis_names):
+        return aval
+    if any(t != AxisType.Explicit for t in getattr(sh.mesh, "axis_types", ())):
+        return aval
+    spec = _typed_spec(sh.mesh, aval.shape, nd)
+    return aval.update(sharding=NamedSharding(sh.mesh, spec))
+
+
+def _same_axes(mesh, plc: Placement) -> bool:
+    """Whether a (context) mesh has the placement's axis names and sizes (any axis types)."""
+    return tuple(mesh.axis_names) == tuple(plc.axis_names) and tuple(
+        _mesh_axis_sizes(mesh)[n] for n in plc.axis_names) == tuple(plc.hierarchy)
+
+
+UNTYPED: list[str] = []
+"""Why the last few typed traces were refused (JAX's error, first line), newest last: those
+functions were traced again untyped. For diagnostics and tests."""
+
+
+def trace_with_mesh(make, plc: Placement, abstract=None, layouts=None):
+    """A trace of the user's function: ``make(avals)`` (``make()`` without ``abstract``).
+
+    With ``abstract`` / ``layouts``, the arguments are first traced typed (``typed_avals``: their
+    layouts as ``NamedSharding`` s over the placement's ``Explicit`` mesh) under that mesh, so
+    ``jax.typeof(x).sharding`` is ``x``'s layout and explicit-sharding code
+    (``reshard(y, jax.typeof(x).sharding)``, ``out_sharding=P(...)``) resolves against the
+    placement's axes. JAX's explicit-sharding rules refuse some programs jsbp runs (a contraction
+    over a split dim without ``out_sharding``, a gather by split indices, ...): those are traced
+    again untyped, as replicated values, and jsbp infers their layouts as before.
+
+    The typed trace runs when no context mesh is set, or when the context mesh has the
+    placement's axis names and sizes — the placement's own mesh (``Auto`` axes) included, whose
+    ``Explicit`` twin is used, so explicit-sharding code works under ``jax.set_mesh(p.mesh)``.
+    Otherwise the function is traced untyped under the user's context mesh; explicit-sharding code
+    that JAX refuses under the placement's own mesh (its axes are ``Auto``: "cannot contain axis
+    names that are of type Auto") is traced under the ``Explicit`` twin instead. Without a context
+    mesh a function that needs one (a bare ``PartitionSpec`` passed to ``reshard`` /
+    ``out_sharding=``) is traced under the ``Explicit`` abstract mesh of the placement.
+    """
+    call = (lambda avals: make()) if abstract is None else make
+    ctx = jax.sharding.get_abstract_mesh()
+    twin = explicit_mesh(plc).abstract_mesh
+    ours = ctx.empty or _same_axes(ctx, plc)
+    if abstract is not None and ours:
+        try:
+            with jax.sharding.use_abstract_mesh(twin):
+                return call(typed_avals(abstract, layouts, plc))
+        except SbpError:
             raise
-    with jax.sharding.use_abstract_mesh(explicit_mesh(plc).abstract_mesh):
-        return make()
+        except Exception as e:  # JAX's explicit-sharding rules refused the typed trace: untyped below
+            UNTYPED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            del UNTYPED[:-8]
+    try:
+        return call(abstract)
+    except (ValueError, RuntimeError, TypeError) as e:
+        if ctx.empty:
+            if not _needs_mesh(e):
+                raise
+        elif not (ours and "of type Auto" in str(e)):  # explicit-sharding code under p.mesh: the twin
+            raise
+    with jax.sharding.use_abstract_mesh(twin):
+        return call(abstract)
 
 
 # -------------------------------------------------------------------------------------------
