@@ -416,6 +416,7 @@ def trace_with_mesh(make, plc: Placement, abstract=None, layouts=None):
     ctx = jax.sharding.get_abstract_mesh()
     twin = explicit_mesh(plc).abstract_mesh
     ours = ctx.empty or _same_axes(ctx, plc)
+    typed_err = None
     if abstract is not None and ours:
         try:
             with jax.sharding.use_abstract_mesh(twin):
@@ -423,8 +424,32 @@ def trace_with_mesh(make, plc: Placement, abstract=None, layouts=None):
         except SbpError:
             raise
         except Exception as e:  # JAX's explicit-sharding rules refused the typed trace: untyped below
-            UNTYPED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            typed_err = e
+            UNTYPED.append(_first_line(e))
             del UNTYPED[:-8]
+    try:
+        return _untyped(call, abstract, ctx, ours, twin)
+    except SbpError:
+        raise
+    except Exception as e:
+        if typed_err is None or _first_line(e) == _first_line(typed_err):
+            raise
+        raise SbpError(
+            f"jsbp.jit on {plc}: traced with its arguments typed by their layouts (jax.typeof(x).sharding "
+            f"is x's layout), JAX's explicit-sharding rules refused the function: {_first_line(typed_err)}. "
+            f"Traced again untyped (every value replicated in JAX's types), it failed: {_first_line(e)}. "
+            "Code that reads jax.typeof(...).sharding needs the typed trace: give the operation JAX names "
+            "an out_sharding= (or reshard its operands), as JAX's explicit sharding asks."
+        ) from e
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _untyped(call, abstract, ctx, ours: bool, twin):
+    """The untyped trace (see ``trace_with_mesh``)."""
     try:
         return call(abstract)
     except (ValueError, RuntimeError, TypeError) as e:
