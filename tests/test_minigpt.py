@@ -93,3 +93,19 @@ def test_minigpt_trains_like_one_device(name):
     # leave the model split like the input batch (over 'batch'), as explain shows
     plan = str(step.explain(model, opt, mg.batch(0)))
     assert "reshard" in plan
+
+
+def test_minigpt_data_parallel_moves_only_the_gradients():
+    """On a 1-d data-parallel placement (the tutorial's 'model' axis absent: its metadata names
+    unsplit), the typed requests of the explicit-sharding idioms add no communication: one step
+    is one combined all-reduce of the gradients (and the loss), nothing else."""
+    plc = jsbp.placement("cpu", [0, 1, 2, 3], axis_names=("batch",))
+    strategy = jflax.Strategy(plc, data_axis="batch")
+    with nnx.use_eager_sharding(False):
+        model = mg.create_model(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    model, opt = jflax.shard((model, opt), strategy)
+    step = jflax.make_train_step(_loss, strategy)
+    counts = step.count_collectives(model, opt, mg.batch(0))
+    assert counts == {"all-gather": 0, "all-reduce": 1, "reduce-scatter": 0, "all-to-all": 0,
+                      "collective-permute": 0}, counts
