@@ -566,7 +566,9 @@ def _lift_param(v):
         return _lift_jaxpr(v)
     if isinstance(v, tuple) and v and any(isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr)) for x in v):
         out = tuple(_lift_param(x) for x in v)
-        return v if all(a is b for a, b in zip(out, v)) else out
+        if all(a is b for a, b in zip(out, v)):
+            return v
+        return type(v)(*out) if hasattr(v, "_fields") else out  # a namedtuple stays one (custom_linear_solve's jaxprs)
     return v
 
 
