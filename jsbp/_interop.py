@@ -14,10 +14,16 @@
   ``sharding=`` parameter (``jnp.dot(..., out_sharding=)``, ``jnp.zeros(..., out_sharding=)``,
   ``nnx.Linear(...)(x, out_sharding=)``) into a ``reshard`` after the equation. Mesh axes map to
   placement axes by name.
+* ``jsbp.jit`` traces the user's function with its arguments typed by their layouts
+  (:func:`typed_avals`; ``to_global`` results by their targets, :func:`retype`), so
+  ``jax.typeof(x).sharding`` inside it is ``x``'s layout over the placement's ``Explicit`` mesh; a
+  function JAX's explicit-sharding rules refuse is traced again untyped (:func:`trace_with_mesh`).
 * jsbp runs its own programs with no context mesh (:func:`meshless`), so it works while a
-  ``jax.set_mesh(...)`` context is active; ``jsbp.jit`` traces the user's function under the user's
-  context mesh (so ``PartitionSpec`` s resolve), or, if none is set and the function needs one, under
-  an ``Explicit`` abstract mesh of the placement (:func:`trace_with_mesh`).
+  ``jax.set_mesh(...)`` context is active; an untyped trace runs under the user's context mesh (so
+  ``PartitionSpec`` s resolve), or, if none is set and the function needs one, under an
+  ``Explicit`` abstract mesh of the placement.
+* ``x.to_jax()`` inside any JAX transformation is the plain logical value
+  (:func:`under_transformation`), concrete tensors included.
 """
 
 from __future__ import annotations
