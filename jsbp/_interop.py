@@ -14,10 +14,16 @@
   ``sharding=`` parameter (``jnp.dot(..., out_sharding=)``, ``jnp.zeros(..., out_sharding=)``,
   ``nnx.Linear(...)(x, out_sharding=)``) into a ``reshard`` after the equation. Mesh axes map to
   placement axes by name.
+* ``jsbp.jit`` traces the user's function with its arguments typed by their layouts
+  (:func:`typed_avals`; ``to_global`` results by their targets, :func:`retype`), so
+  ``jax.typeof(x).sharding`` inside it is ``x``'s layout over the placement's ``Explicit`` mesh; a
+  function JAX's explicit-sharding rules refuse is traced again untyped (:func:`trace_with_mesh`).
 * jsbp runs its own programs with no context mesh (:func:`meshless`), so it works while a
-  ``jax.set_mesh(...)`` context is active; ``jsbp.jit`` traces the user's function under the user's
-  context mesh (so ``PartitionSpec`` s resolve), or, if none is set and the function needs one, under
-  an ``Explicit`` abstract mesh of the placement (:func:`trace_with_mesh`).
+  ``jax.set_mesh(...)`` context is active; an untyped trace runs under the user's context mesh (so
+  ``PartitionSpec`` s resolve), or, if none is set and the function needs one, under an
+  ``Explicit`` abstract mesh of the placement.
+* ``x.to_jax()`` inside any JAX transformation is the plain logical value
+  (:func:`under_transformation`), concrete tensors included.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
 
 __all__ = ["named_sharding", "explicit_mesh", "layout_of_array", "to_jax_array", "meshless",
-           "requested_nd", "lift_out_shardings", "trace_with_mesh"]
+           "requested_nd", "lift_out_shardings", "trace_with_mesh", "under_transformation",
+           "typed_avals", "retype"]
 
 
 # -------------------------------------------------------------------------------------------
@@ -209,6 +216,15 @@ def to_jax_array(x) -> jax.Array:
     return jax.make_array_from_single_device_arrays(lay.shape, ns, datas, dtype=phys.dtype)
 
 
+def under_transformation() -> bool:
+    """Whether a JAX transformation (``jax.jit``, ``jax.grad``, ``jax.vmap``...) is tracing now:
+    ``x.to_jax()`` there is the plain logical value, whether ``x`` holds a tracer or a concrete
+    array (an argument ``jax.grad`` does not differentiate, a closed-over tensor)."""
+    from jax._src import core as jcore
+
+    return not jcore.trace_state_clean()
+
+
 # -------------------------------------------------------------------------------------------
 # running jsbp's own programs under a user's context mesh
 # -------------------------------------------------------------------------------------------
@@ -326,17 +342,130 @@ def _needs_mesh(err: Exception) -> bool:
     return "mesh context" in msg or "mesh in context" in msg or "context mesh cannot be empty" in msg
 
 
-def trace_with_mesh(make, plc: Placement):
-    """``make()`` (a trace of the user's function). If no context mesh is set and the function
-    needs one (it passes a bare ``PartitionSpec`` to ``reshard`` / ``out_sharding=`` ...), trace
-    again under an ``Explicit`` abstract mesh of the placement, so its axis names resolve."""
-    try:
-        return make()
-    except (ValueError, RuntimeError) as e:
-        if _context_mesh_set() or not _needs_mesh(e):
+def _typed_spec(mesh, shape, nd) -> PartitionSpec:
+    """The spec JAX's types can hold for a value of ``shape`` laid out as ``nd`` on ``mesh`` (the
+    placement's axis names): each split axis named on its dim where the dim divides evenly (JAX's
+    types hold no uneven split), ``B`` and ``P`` axes left out (inside ``jsbp.jit`` a ``P`` value is
+    its logical sum: JAX would refuse every non-linear op on an ``unreduced`` type)."""
+    names = mesh.axis_names
+    sizes = _mesh_axis_sizes(mesh)
+    entries = []
+    for d in range(len(shape)):
+        axes = tuple(names[a] for a, x in enumerate(nd) if x.is_split and x.dim == d)
+        ways = int(np.prod([sizes[n] for n in axes])) if axes else 1
+        if not axes or shape[d] % ways:
+            entries.append(None)
+        else:
+            entries.append(axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*entries)
+
+
+def typed_avals(abstract, layouts, plc: Placement) -> list:
+    """``abstract`` (``jax.ShapeDtypeStruct`` s of ``jsbp.jit``'s logical arguments) typed with
+    their layouts as ``NamedSharding`` s over the placement's ``Explicit`` mesh, so that
+    ``jax.typeof(x).sharding`` inside the traced function is the argument's layout."""
+    mesh = explicit_mesh(plc)
+    out = []
+    for a, lay in zip(abstract, layouts):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):  # a key array: B, untyped
+            out.append(a)
+            continue
+        spec = _typed_spec(mesh, a.shape, lay.nd_sbp)
+        out.append(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=NamedSharding(mesh, spec)))
+    return out
+
+
+def retype(aval, nd):
+    """The type of ``to_global(x, sbp=nd)`` inside a typed trace: ``x``'s type with the sharding
+    of ``nd`` (an untyped trace, or a value on no mesh, keeps its type)."""
+    sh = getattr(aval, "sharding", None)
+    if nd is None or not isinstance(sh, NamedSharding) or sh.mesh.empty or len(nd) != len(sh.mesh.axis_names):
+        return aval
+    if any(t != AxisType.Explicit for t in getattr(sh.mesh, "axis_types", ())):
+        return aval
+    spec = _typed_spec(sh.mesh, aval.shape, nd)
+    return aval.update(sharding=NamedSharding(sh.mesh, spec))
+
+
+def _same_axes(mesh, plc: Placement) -> bool:
+    """Whether a (context) mesh has the placement's axis names and sizes (any axis types)."""
+    return tuple(mesh.axis_names) == tuple(plc.axis_names) and tuple(
+        _mesh_axis_sizes(mesh)[n] for n in plc.axis_names) == tuple(plc.hierarchy)
+
+
+UNTYPED: list[str] = []
+"""Why the last few typed traces were refused (JAX's error, first line), newest last: those
+functions were traced again untyped. For diagnostics and tests."""
+
+
+def trace_with_mesh(make, plc: Placement, abstract=None, layouts=None):
+    """A trace of the user's function: ``make(avals)`` (``make()`` without ``abstract``).
+
+    With ``abstract`` / ``layouts``, the arguments are first traced typed (``typed_avals``: their
+    layouts as ``NamedSharding`` s over the placement's ``Explicit`` mesh) under that mesh, so
+    ``jax.typeof(x).sharding`` is ``x``'s layout and explicit-sharding code
+    (``reshard(y, jax.typeof(x).sharding)``, ``out_sharding=P(...)``) resolves against the
+    placement's axes. JAX's explicit-sharding rules refuse some programs jsbp runs (a contraction
+    over a split dim without ``out_sharding``, a gather by split indices, ...): those are traced
+    again untyped, as replicated values, and jsbp infers their layouts as before.
+
+    The typed trace runs when no context mesh is set, or when the context mesh has the
+    placement's axis names and sizes — the placement's own mesh (``Auto`` axes) included, whose
+    ``Explicit`` twin is used, so explicit-sharding code works under ``jax.set_mesh(p.mesh)``.
+    Otherwise the function is traced untyped under the user's context mesh; explicit-sharding code
+    that JAX refuses under the placement's own mesh (its axes are ``Auto``: "cannot contain axis
+    names that are of type Auto") is traced under the ``Explicit`` twin instead. Without a context
+    mesh a function that needs one (a bare ``PartitionSpec`` passed to ``reshard`` /
+    ``out_sharding=``) is traced under the ``Explicit`` abstract mesh of the placement.
+    """
+    call = (lambda avals: make()) if abstract is None else make
+    ctx = jax.sharding.get_abstract_mesh()
+    twin = explicit_mesh(plc).abstract_mesh
+    ours = ctx.empty or _same_axes(ctx, plc)
+    typed_err = None
+    if abstract is not None and ours:
+        try:
+            with jax.sharding.use_abstract_mesh(twin):
+                return call(typed_avals(abstract, layouts, plc))
+        except SbpError:
             raise
-    with jax.sharding.use_abstract_mesh(explicit_mesh(plc).abstract_mesh):
-        return make()
+        except Exception as e:  # JAX's explicit-sharding rules refused the typed trace: untyped below
+            typed_err = e
+            UNTYPED.append(_first_line(e))
+            del UNTYPED[:-8]
+    try:
+        return _untyped(call, abstract, ctx, ours, twin)
+    except SbpError:
+        raise
+    except Exception as e:
+        if typed_err is None or _first_line(e) == _first_line(typed_err):
+            raise
+        raise SbpError(
+            f"jsbp.jit on {plc}: traced with its arguments typed by their layouts (jax.typeof(x).sharding "
+            f"is x's layout), JAX's explicit-sharding rules refused the function: {_first_line(typed_err)}. "
+            f"Traced again untyped (every value replicated in JAX's types), it failed: {_first_line(e)}. "
+            "Code that reads jax.typeof(...).sharding needs the typed trace: give the operation JAX names "
+            "an out_sharding= (or reshard its operands), as JAX's explicit sharding asks."
+        ) from e
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _untyped(call, abstract, ctx, ours: bool, twin):
+    """The untyped trace (see ``trace_with_mesh``)."""
+    try:
+        return call(abstract)
+    except (ValueError, RuntimeError, TypeError) as e:
+        if ctx.empty:
+            if not _needs_mesh(e):
+                raise
+        elif not (ours and "of type Auto" in str(e)):  # explicit-sharding code under p.mesh: the twin
+            raise
+    with jax.sharding.use_abstract_mesh(twin):
+        return call(abstract)
 
 
 # -------------------------------------------------------------------------------------------
@@ -443,7 +572,9 @@ def _lift_param(v):
         return _lift_jaxpr(v)
     if isinstance(v, tuple) and v and any(isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr)) for x in v):
         out = tuple(_lift_param(x) for x in v)
-        return v if all(a is b for a, b in zip(out, v)) else out
+        if all(a is b for a, b in zip(out, v)):
+            return v
+        return type(v)(*out) if hasattr(v, "_fields") else out  # a namedtuple stays one (custom_linear_solve's jaxprs)
     return v
 
 

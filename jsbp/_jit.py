@@ -24,7 +24,7 @@ from jax.interpreters import ad, batching, mlir
 from . import _sbp
 from ._compiler import Program, infer, run_program
 from ._errors import PlacementError, SbpError
-from ._interop import _context_mesh_set, lift_out_shardings, meshless, trace_with_mesh
+from ._interop import _context_mesh_set, lift_out_shardings, meshless, retype, trace_with_mesh
 from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
 from ._statickey import static_key
@@ -39,7 +39,7 @@ __all__ = ["jit", "JitFunction", "to_global_p"]
 
 to_global_p = Primitive("jsbp_to_global")
 to_global_p.def_impl(lambda x, *, nd, grad_nd: x)
-to_global_p.def_abstract_eval(lambda x, *, nd, grad_nd: x)
+to_global_p.def_abstract_eval(lambda x, *, nd, grad_nd: retype(x, nd))  # typed traces: nd's sharding
 mlir.register_lowering(to_global_p, lambda ctx, x, *, nd, grad_nd: [x])
 
 
@@ -238,7 +238,7 @@ def _trace(fn, treedef, static, in_layouts, in_dtypes, placement, weak=()):
         return [jnp.asarray(x) for x in leaves]
 
     with tracing(_Hook(placement)):
-        closed = trace_with_mesh(lambda: jax.make_jaxpr(flat_fn)(*abstract), placement)
+        closed = trace_with_mesh(lambda avals: jax.make_jaxpr(flat_fn)(*avals), placement, abstract, in_layouts)
     return lift_out_shardings(closed), store["tree"], flat_fn
 
 
@@ -462,7 +462,8 @@ def _backward(entry: _Entry):
     in_dts = list(entry.in_dtypes) + [entry.out_dtypes[i] for i in out_diff]
     abstract = [jax.ShapeDtypeStruct(l.shape, d) for l, d in zip(in_lays, in_dts)]
     with tracing(_Hook(entry.placement)):
-        closed = lift_out_shardings(trace_with_mesh(lambda: jax.make_jaxpr(bwd_logical)(*abstract), entry.placement))
+        closed = lift_out_shardings(trace_with_mesh(lambda avals: jax.make_jaxpr(bwd_logical)(*avals),
+                                                    entry.placement, abstract, in_lays))
     out_nd = [entry.in_layouts[i].nd_sbp for i in diff_idx]
     prog = infer(entry.placement, closed.jaxpr, closed.consts, in_lays, out_nd, strict=entry.strict)
     fn = _build_shard_map(entry.placement, in_lays, prog.out_layouts, prog, in_dts)

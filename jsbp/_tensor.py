@@ -221,9 +221,13 @@ class GlobalTensor:
         an uneven layout raises (JAX cannot hold uneven blocks). Under a JAX transformation
         (jax.jit / jax.grad) it is the plain logical value (differentiable, padding removed,
         partials reduced)."""
-        if isinstance(self._value, jax.core.Tracer):
+        from ._interop import to_jax_array, under_transformation
+
+        if isinstance(self._value, jax.core.Tracer) or under_transformation():
+            # a concrete tensor read inside a transformation (one not differentiated by
+            # jax.grad, a closed-over one) is the same plain value, on the placement's own mesh:
+            # mixed with the traced ones there, JAX sees one mesh
             return decode(self._value, self._layout)
-        from ._interop import to_jax_array
 
         return to_jax_array(self)
 

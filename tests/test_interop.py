@@ -146,6 +146,101 @@ def test_to_jax_under_a_transformation_is_the_logical_value():
     np.testing.assert_allclose(np.asarray(out), x.numpy() * 2, rtol=1e-6)
 
 
+BOXINGS = [("S(0)", "B"), ("B", "S(1)"), ("P", "B"), ("S(1)", "S(0)")]
+GRAD_SBPS = [None, "B", "S(0)", "S(1)", "P"]
+
+
+@pytest.mark.parametrize("grad_sbp", GRAD_SBPS, ids=str)
+@pytest.mark.parametrize("src,dst", BOXINGS, ids=lambda v: str(v))
+def test_plain_jax_grad_through_to_global_and_to_jax(src, dst, grad_sbp):
+    """``jax.grad`` (plain JAX) of a function that boxes one tensor with ``to_global(sbp=,
+    grad_sbp=)`` and computes on ``.to_jax()`` of it and of another global tensor — one
+    differentiated, one not (a concrete argument) — gives plain JAX's gradients; before, the
+    concrete tensor's ``to_jax()`` lived on another mesh than the traced ones ("Mesh for all inputs
+    should be equal")."""
+    xv, wv = value((8, 4), 11), value((4, 6), 12)
+    x = jsbp.tensor(xv, placement=P4, sbp="B" if src == "P" else src)
+    if src == "P":
+        x = x.to_global(sbp="P")
+    w = jsbp.tensor(wv, placement=P4, sbp="S(1)")
+
+    def f(x, w):
+        y = x.to_global(sbp=dst, grad_sbp=grad_sbp)
+        return jnp.sum(jnp.tanh(y.to_jax() @ w.to_jax()) ** 2)
+
+    def ref(x, w):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    gx_ref, gw_ref = jax.grad(ref, argnums=(0, 1))(xv, wv)
+    gx = jax.grad(f)(x, w)  # w is not differentiated: a concrete tensor inside the trace
+    assert isinstance(gx, jsbp.GlobalTensor) and gx.shape == (8, 4)
+    np.testing.assert_allclose(gx.numpy(), gx_ref, rtol=1e-5, atol=1e-5)
+    gx2, gw2 = jax.grad(f, argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(gx2.numpy(), gx_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw2.numpy(), gw_ref, rtol=1e-5, atol=1e-5)
+    # the same under jax.jit around it
+    gx3 = jax.jit(jax.grad(f))(x, w)
+    np.testing.assert_allclose(gx3.numpy(), gx_ref, rtol=1e-5, atol=1e-5)
+    # a closed-over tensor read inside the transformation
+    gx4 = jax.grad(lambda x: f(x, w))(x)
+    np.testing.assert_allclose(gx4.numpy(), gx_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_typeof_inside_jsbp_jit_is_the_layout():
+    """``jax.typeof(v).sharding`` of ``jsbp.jit``'s arguments is their layout as a
+    ``NamedSharding`` over the placement's (``Explicit``) mesh; ``to_global``'s result is typed
+    with its target; JAX's types hold no uneven split and no partial sum (inside ``jsbp.jit`` a P
+    value is its logical sum), so those axes are left out. Before, every argument traced as an
+    empty-mesh replicated value and ``reshard(y, jax.typeof(x).sharding)`` raised."""
+    import jsbp._interop as interop
+
+    seen = {}
+
+    def f(a, b, c, d, e):
+        for k, v in zip("abcde", (a, b, c, d, e)):
+            seen[k] = jax.typeof(v).sharding
+        g = jsbp.to_global(a, sbp=("B", "S(1)"))
+        seen["g"] = jax.typeof(g).sharding
+        y = jax.sharding.reshard(jnp.tanh(b), jax.typeof(a).sharding)
+        return y, g * 2, c, d, e
+
+    av, bv = value((8, 4), 1), value((8, 4), 2)
+    a = jsbp.tensor(av, placement=Q22, sbp=("S(0)", "B"))
+    b = jsbp.tensor(bv, placement=Q22, sbp=("B", "S(1)"))
+    c = jsbp.tensor(av, placement=Q22, sbp=("S(0)", "S(0)"))
+    d = jsbp.tensor(bv, placement=Q22, sbp=("P", "S(1)"))
+    e = jsbp.tensor(value((7, 4), 3), placement=Q22, sbp=("S(0)", "S(1)"))  # 7 rows: uneven over dp
+    before = len(interop.UNTYPED)
+    y, g, c2, d2, _ = jsbp.jit(f)(a, b, c, d, e)
+    assert len(interop.UNTYPED) == before  # typed: JAX's rules accepted this program
+    specs = {k: v.spec for k, v in seen.items()}
+    assert specs == {"a": P("dp", None), "b": P(None, "tp"), "c": P(("dp", "tp"), None),
+                     "d": P(None, "tp"), "e": P(None, "tp"), "g": P(None, "tp")}
+    for v in seen.values():
+        assert tuple(v.mesh.axis_names) == ("dp", "tp") and v.mesh.axis_sizes == (2, 2)
+        assert all(t == AxisType.Explicit for t in v.mesh.axis_types)
+    assert y.sbp == (sbp.split(0), sbp.broadcast)  # reshard(.., typeof(a).sharding) asked a's layout
+    np.testing.assert_allclose(y.numpy(), np.tanh(bv), rtol=1e-6)
+    np.testing.assert_allclose(g.numpy(), av * 2, rtol=1e-6)
+    np.testing.assert_allclose(c2.numpy() + d2.numpy(), av + bv, rtol=1e-6)
+
+
+def test_programs_jax_cannot_type_are_traced_untyped():
+    """A Megatron MLP (a contraction over a split dim, no out_sharding) is refused by JAX's
+    explicit-sharding rules; jsbp traces it again untyped and runs it as before."""
+    import jsbp._interop as interop
+
+    xv, w1v, w2v = value((8, 6), 1), value((6, 16), 2), value((16, 4), 3)
+    x = jsbp.tensor(xv, placement=P4, sbp="B")
+    w1 = jsbp.tensor(w1v, placement=P4, sbp="S(1)")
+    w2 = jsbp.tensor(w2v, placement=P4, sbp="S(0)")
+    before = len(interop.UNTYPED)
+    out = jsbp.jit(lambda x, w1, w2: jnp.tanh(x @ w1) @ w2)(x, w1, w2)
+    assert len(interop.UNTYPED) == before + 1 and "Contracting dimensions are sharded" in interop.UNTYPED[-1]
+    assert out.sbp == (sbp.partial_sum,)
+    np.testing.assert_allclose(out.numpy(), np.tanh(xv @ w1v) @ w2v, rtol=1e-5, atol=1e-5)
+
+
 # -- JAX's sharding calls inside jsbp.jit -------------------------------------------------------------
 
 

@@ -1,10 +1,15 @@
-"""Layering (issue 19 item 7): the core never imports the outer packages.
+"""Layering: the core never imports the outer packages, and no module imports its importer.
 
 The core (``_sbp``, ``_placement``, ``_layout``, ``_boxing``, ``_tensor``, ``_compiler``, ``_jit``,
 ``rules`` and the other private modules) imports nothing from ``viz``, ``flax``, ``pipeline``,
 ``checkpoint``, ``distributed`` or ``launch``; those plug in through ``jsbp._hooks``. Every
 ``import`` / ``from ... import`` of every core module is checked, including ones inside functions,
 and ``importlib.import_module("...")`` calls with a literal name.
+
+No import circle anywhere in ``jsbp/`` (the same imports, function-level ones included): a
+module's import graph is a DAG. The planning modules (``_compiler``, ``_planner``, ``_repeat``,
+``_combine``) are being rewritten as one planner and may still import each other in a circle;
+a circle is allowed only among them (``PLANNING``) until that lands.
 """
 
 from __future__ import annotations
@@ -78,6 +83,118 @@ def imported_names(path: pathlib.Path, src: str | None = None):
                     pkg, True, len(name) - len(name.lstrip(".")), name.lstrip(".") or None
                 )
             yield node.lineno, name
+
+
+def module_edges(path: pathlib.Path, modules, src: str | None = None) -> set[str]:
+    """The jsbp modules ``path`` imports (function-level imports included): ``from X import a``
+    is an edge to ``X.a`` when that is a module, else to ``X``; a name that is not a module is
+    cut back to the module that defines it. The ``__init__`` of a package runs whenever one of
+    its modules is imported, but that implicit import is not an edge (else every module would
+    circle through its package's re-exports)."""
+    out = set()
+    tree = ast.parse(path.read_text() if src is None else src, filename=str(path))
+    me, is_pkg = module_name(path), path.name == "__init__.py"
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom):
+            base = resolve(me, is_pkg, node.level, node.module)
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            names = [n for line, n in imported_names(path, ast.unparse(node))] if isinstance(
+                node, (ast.Import, ast.Call)) else []
+        for n in names:
+            while n and n not in modules:
+                n = n.rpartition(".")[0]
+            if n and n != me and n.split(".")[0] == "jsbp":
+                out.add(n)
+    return out
+
+
+def import_graph(overrides: dict | None = None) -> dict[str, set[str]]:
+    """``{module: the jsbp modules it imports}`` for every module of ``jsbp/``; ``overrides``
+    maps a module name to source text read in place of its file."""
+    files = {module_name(p): p for p in PKG.rglob("*.py")}
+    overrides = overrides or {}
+    return {m: module_edges(p, files, overrides.get(m)) for m, p in files.items()}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle: the strongly connected components of more than one module (or a
+    module importing itself), each sorted (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in graph:
+                    continue
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1 or v in graph[v]:
+                    out.append(sorted(comp))
+    return out
+
+
+PLANNING = {"jsbp._compiler", "jsbp._planner", "jsbp._repeat", "jsbp._combine"}
+"""The modules the one-planner rewrite replaces: an import circle among them alone is allowed
+for now (and only among them)."""
+
+
+def test_no_import_circle():
+    circles = [c for c in import_circles(import_graph()) if not set(c) <= PLANNING]
+    assert not circles, (
+        "import circles in jsbp/ (a module imports, maybe inside a function, a module that imports "
+        "it): " + "; ".join(" <-> ".join(c) for c in circles)
+        + ". Move what both need into the lower module, or let the lower one register a hook."
+    )
+
+
+def test_circle_finder_sees_function_level_imports():
+    """The flax package's circle before it was cut: ``Strategy.auto`` imported ``_auto`` inside
+    the method, and ``_auto`` imports ``_strategy``; ``Schedule.html`` imported ``_timeline``,
+    which imported ``_schedule``."""
+    strategy = "class Strategy:\n    def auto(self):\n        from ._auto import auto_strategy\n"
+    timeline = "from ._schedule import Schedule\n"
+    graph = import_graph({"jsbp.flax._strategy": strategy, "jsbp.pipeline._timeline": timeline})
+    assert "jsbp.flax._auto" in graph["jsbp.flax._strategy"]
+    circles = [c for c in import_circles(graph) if not set(c) <= PLANNING]
+    assert any({"jsbp.flax._auto", "jsbp.flax._strategy"} <= set(c) for c in circles)
+    assert ["jsbp.pipeline._schedule", "jsbp.pipeline._timeline"] in circles
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}, "e": {"a"}}) == [
+        ["a", "b", "c"], ["d"]]
+    # `from . import _sbp` is an edge to the module, `from .._tensor import tensor` to _tensor,
+    # never to the package __init__ (which imports everything)
+    edges = module_edges(PKG / "flax" / "_probe.py", {"jsbp", "jsbp._sbp", "jsbp._tensor"},
+                         "from .. import _sbp\nfrom .._tensor import tensor\n")
+    assert edges == {"jsbp._sbp", "jsbp._tensor"}
 
 
 def is_outer(name: str) -> bool:

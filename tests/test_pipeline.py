@@ -480,6 +480,30 @@ def test_microbatches_cannot_be_forgotten():
         jpp.Pipeline([_tiny_stages(1)[0], "not a module"], loss, optax.sgd(0.1), microbatches=2)
 
 
+def test_stages_whose_shapes_do_not_chain_name_both_stages():
+    """Stage 0 gives 12 features to a stage 1 that takes 10: a jsbp error naming both stages and
+    the shapes (before: JAX's raw dot_general TypeError from inside the stage's trace)."""
+    r = nnx.Rngs(0)
+    loss = lambda y, t: ((y - t) ** 2).mean()
+    pipe = jpp.Pipeline(
+        [nnx.Linear(8, 12, rngs=r), nnx.Linear(10, 4, rngs=r)], loss, optax.sgd(0.1), microbatches=2
+    )
+    x, t = np.ones((8, 8), np.float32), np.ones((8, 4), np.float32)
+    with pytest.raises(jsbp.SbpError) as e:
+        pipe.step(x, t)
+    msg = str(e.value)
+    assert "stage 1 (Linear) cannot take stage 0's output of shape (4, 12) float32" in msg, msg
+    assert "(12,) and (10,)" in msg and "make stage 0's output match what stage 1 takes" in msg, msg
+    # stage 0 given inputs of the wrong width
+    pipe = jpp.Pipeline(
+        [nnx.Linear(8, 12, rngs=r), nnx.Linear(12, 4, rngs=r)], loss, optax.sgd(0.1), microbatches=2
+    )
+    with pytest.raises(jsbp.SbpError, match=r"stage 0 \(Linear\) cannot take the micro-batch inputs of "
+                       r"shape \(4, 6\) float32"):
+        pipe.step(np.ones((8, 6), np.float32), t)
+    assert float(pipe.step(x, t)) > 0  # the right shapes still train
+
+
 # ----------------------------------------------------------------------------------------------
 # the GPT example
 # ----------------------------------------------------------------------------------------------

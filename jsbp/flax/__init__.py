@@ -7,6 +7,7 @@ ordinary NNX train step for it, ``gather`` brings the state back as plain NNX ob
 The core package never imports this module (it needs ``flax`` and ``optax``).
 """
 
+from . import _auto as _auto  # registers Strategy.auto's search (jsbp.flax._strategy._AUTO)
 from ._losses import softmax_cross_entropy as softmax_cross_entropy
 from ._state import describe as describe
 from ._state import gather as gather

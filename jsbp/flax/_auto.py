@@ -39,8 +39,18 @@ from .._errors import SbpError
 from .._layout import layout_of
 from .._placement import placement as Placement
 from .._tensor import GlobalTensor, is_key_dtype
-from ._state import _kind, _names, _shape, _value, leaf_layouts, path_str
-from ._strategy import Strategy, dim_names
+from ._strategy import (
+    _AUTO,
+    Strategy,
+    _kind,
+    _names,
+    _shape,
+    _value,
+    dim_names,
+    leaf_layouts,
+    path_str,
+)
+from ._train import make_train_step
 
 __all__ = ["auto_strategy", "estimate_strategy", "AutoReport", "Candidate"]
 
@@ -171,8 +181,6 @@ def _abstract(value, plc, nd):
 
 class _Search:
     def __init__(self, loss_fn, model, optimizer, batch, accum, cost, budget):
-        from ._train import make_train_step
-
         self.make_train_step = make_train_step
         self.loss_fn, self.accum, self.cost, self.budget = loss_fn, accum, cost, budget
         self.graphdef, state = nnx.split((model, optimizer))
@@ -251,9 +259,10 @@ def auto_strategy(
     loss_fn: Callable,
     batch: Any,
     accum: int = 1,
-    cost_model: CostModel = DEFAULT_COST,
+    cost_model: CostModel | None = None,
 ) -> Strategy:
     """``Strategy.auto`` (see there and the module docstring)."""
+    cost_model = cost_model or DEFAULT_COST
     import time
 
     t0 = time.perf_counter()
@@ -374,3 +383,6 @@ def _itemsize(value) -> int:
         return dt.itemsize
     return np.dtype(dt).itemsize
 
+
+
+_AUTO.append(auto_strategy)  # Strategy.auto reaches the search here (see _strategy._AUTO)

@@ -8,9 +8,6 @@ by a ``Strategy``; ``gather`` returns ordinary NNX objects holding plain logical
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import jax
 import numpy as np
 from flax import nnx
@@ -18,120 +15,22 @@ from flax import nnx
 from .. import _sbp
 from .._errors import SbpError
 from .._tensor import GlobalTensor, is_key_dtype, tensor
-from ._strategy import LeafLayouts, Strategy
+from ._strategy import (
+    Strategy,
+    _is_array,
+    _is_var,
+    _shape,
+    _value,
+    derived_sbp,
+    leaf_layouts,
+    path_str,
+)
 
-__all__ = ["shard", "gather", "layouts", "describe", "local_nbytes", "leaf_layouts", "path_str"]
-
-Path = tuple[Any, ...]
-
-
-def path_str(path: Sequence[Any]) -> str:
-    """``('blocks', 0, 'fc', 'kernel')`` -> ``'blocks/0/fc/kernel'`` (what ``param_sbp`` regexes see)."""
-    return "/".join(str(getattr(k, "key", k)) for k in path)
-
-
-def _kind(var) -> str:
-    if isinstance(var, nnx.Param):
-        return "param"
-    if isinstance(var, nnx.OptState):
-        return "opt"
-    return "other"
-
-
-def _names(var):
-    try:
-        return var.get_metadata().get("out_sharding")
-    except AttributeError:  # pragma: no cover - very old Variable types
-        return None
-
-
-def _value(var):
-    """A state leaf's value: a ``Variable``'s, or the leaf itself when a module holds a plain array
-    (``self.freqs = jnp.arange(...)``, ``nnx.WeightNorm``'s scales)."""
-    if hasattr(var, "get_value"):
-        return var.get_value()
-    return var.value if isinstance(var, nnx.Variable) else var
-
-
-def _is_var(var) -> bool:
-    return isinstance(var, nnx.Variable)
-
+__all__ = ["shard", "gather", "layouts", "describe", "local_nbytes", "leaf_layouts", "path_str", "derived_sbp"]
 
 def _replace(var, value):
     """``var`` holding ``value`` (a plain array leaf is replaced by ``value`` itself)."""
     return var.replace(value) if _is_var(var) else value
-
-
-def _shape(value) -> tuple[int, ...]:
-    return tuple(np.shape(value))
-
-
-def _is_array(value) -> bool:
-    """Whether a ``Variable`` holds one array (else a pytree of them: optax's ``MaskedNode`` in
-    the state of ``optax.masked`` / ``multi_transform`` / muon, sm3's list of accumulators)."""
-    return isinstance(value, (GlobalTensor, jax.Array, np.ndarray, np.generic, int, float, complex))
-
-
-def leaf_layouts(flat: Sequence[tuple[Path, Any]], strategy: Strategy) -> dict[Path, LeafLayouts]:
-    """The ``LeafLayouts`` of every leaf of a flat NNX state under ``strategy``.
-
-    Optimizer state whose path ends with a parameter's path (and has its shape) takes that
-    parameter's base layout: "moments follow their parameter". Other leaves follow the
-    strategy's path patterns and logical names.
-    """
-    params = {}
-    for path, var in flat:
-        if _kind(var) == "param":
-            params[path] = var
-    # every suffix of a parameter path (at least two keys) -> that parameter, if unambiguous
-    by_suffix: dict[Path, Path | None] = {}
-    for path in params:
-        for k in range(len(path) - 1):
-            suf = path[k:]
-            if len(suf) < 2:
-                continue
-            by_suffix[suf] = None if (suf in by_suffix and by_suffix[suf] != path) else path
-    base_of: dict[Path, tuple] = {}
-    for path, var in params.items():
-        base_of[path] = strategy.base_sbp(path_str(path), _shape(_value(var)), _names(var))
-    out: dict[Path, LeafLayouts] = {}
-    b = (_sbp.broadcast,) * strategy.placement.ndim
-    for path, var in flat:
-        kind = _kind(var)
-        if not _is_array(_value(var)):  # a pytree of arrays in one Variable: each leaf B
-            out[path] = LeafLayouts(kind, b, b, b)
-            continue
-        shape = _shape(_value(var))
-        base = base_of.get(path)
-        names = _names(var)
-        if kind == "opt":
-            for k in range(len(path) - 1):
-                p = by_suffix.get(path[k:])
-                if p is not None:
-                    if _shape(_value(params[p])) == shape:
-                        base = base_of[p]
-                    else:  # its parameter's names (Flax copies them) describe other dims
-                        names = None
-                    break
-            # a copy of a parameter's metadata on a smaller leaf (adafactor's v_row)
-            if names is not None and _meta_rank(names) > len(shape):
-                names = None
-        if is_key_dtype(getattr(_value(var), "dtype", None)):  # RNG keys: always B, never split
-            out[path] = LeafLayouts(kind, b, b, b)
-            continue
-        out[path] = strategy.leaf_layouts(kind, path_str(path), shape, names, base=base)
-    return out
-
-
-def _meta_rank(meta) -> int:
-    """How many dims an ``out_sharding`` metadata value names (0 when it names none)."""
-    if isinstance(meta, jax.sharding.Sharding):
-        meta = getattr(meta, "spec", None)
-    if meta is None:
-        return 0
-    if isinstance(meta, str):
-        return 1
-    return len(meta) if isinstance(meta, (tuple, list)) else 0
 
 
 def _put(value, placement, nd):

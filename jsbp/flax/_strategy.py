@@ -27,14 +27,16 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec
 
 from .. import _sbp
 from .._errors import SbpError
 from .._layout import normalise_nd
 from .._placement import placement as Placement
+from .._tensor import GlobalTensor, is_key_dtype
 
-__all__ = ["Strategy", "LeafLayouts", "constrain", "active_strategy"]
+__all__ = ["Strategy", "LeafLayouts", "constrain", "active_strategy", "leaf_layouts", "path_str", "derived_sbp"]
 
 NdSbp = tuple[_sbp.Sbp, ...]
 
@@ -45,19 +47,28 @@ LogicalAxes = Mapping[str, "str | Sequence[str] | None"]
 or a missing name means the dim is not split (broadcast)."""
 
 
+_AUTO: list = []
+"""``Strategy.auto``'s search, ``jsbp.flax._auto.auto_strategy``, registered by that module when it
+is imported (``jsbp.flax`` imports it): ``_auto`` builds on this module, so this module does not
+import it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafLayouts:
     """The layouts of one state leaf under a strategy.
 
     ``stored``: how the leaf lives between steps. ``use``: the layout a parameter is boxed to
     before the model reads it (differs from ``stored`` only under ZeRO-3). ``grad``: the layout a
-    parameter's gradient is reduced to before the optimizer sees it.
+    parameter's gradient is reduced to before the optimizer sees it. ``source``: where the
+    layout comes from (the ``param_sbp`` pattern, the logical names, the parameter an optimizer
+    state follows or derives its layout from, or why it is ``B``), as ``Strategy.table`` shows it.
     """
 
     kind: str  # "param" | "opt" | "other"
     stored: NdSbp
     use: NdSbp
     grad: NdSbp
+    source: str = dataclasses.field(default="", compare=False)
 
 
 def _as_axes(v) -> tuple[str, ...]:
@@ -157,7 +168,14 @@ class Strategy:
                 raise SbpError(
                     f"Strategy: param_sbp pattern {pat!r} is not a valid regex ({e})."
                 ) from None
-            parsed.append((rx, _sbp.parse_nd(nd, self.placement.ndim)))
+            try:
+                parsed.append((rx, _sbp.parse_nd(nd, self.placement.ndim)))
+            except SbpError as e:
+                raise SbpError(
+                    f"Strategy: param_sbp pattern {pat!r} gives the nd-sbp {nd!r}, which does not fit "
+                    f"{self.placement} (axes {self.placement.axis_names}): {e} Write one SBP per placement "
+                    f"axis for {pat!r}, e.g. {tuple('B' for _ in self.placement.axis_names)!r}."
+                ) from None
         object.__setattr__(self, "param_sbp", tuple(parsed))
         data_axis = self.data_axis
         if data_axis is None:
@@ -221,12 +239,11 @@ class Strategy:
 
         Raises ``SbpError`` when no candidate fits the budget, naming the smallest peak found.
         """
-        from .._cost import DEFAULT_COST
-        from ._auto import auto_strategy
-
-        return auto_strategy(
+        if not _AUTO:  # jsbp.flax imports jsbp.flax._auto, which registers its search here
+            raise SbpError("Strategy.auto: import jsbp.flax (its _auto module registers the search).")
+        return _AUTO[0](
             placement, memory_budget, model=model, optimizer=optimizer, loss_fn=loss_fn,
-            batch=batch, accum=accum, cost_model=cost_model or DEFAULT_COST,
+            batch=batch, accum=accum, cost_model=cost_model,
         )
 
     # -- logical names ------------------------------------------------------------------------
@@ -285,18 +302,23 @@ class Strategy:
     ) -> NdSbp:
         """The strategy's layout for a leaf, before ZeRO: first matching ``param_sbp`` pattern,
         else its logical names, else broadcast."""
+        return self._base(path, shape, names)[0]
+
+    def _base(self, path: str, shape: Sequence[int], names) -> tuple[NdSbp, str]:
+        """``base_sbp`` and where it comes from (``LeafLayouts.source``)."""
         for rx, nd in self.param_sbp:
             if rx.search(path):
                 try:
-                    return normalise_nd(
+                    out = normalise_nd(
                         nd, tuple(shape), self.placement, op=f"Strategy(param_sbp) for {path!r}"
                     )
                 except SbpError as e:
                     raise SbpError(f"{e} (pattern {rx.pattern!r} matched {path!r})") from None
-        names = dim_names(names, len(shape), path)
-        if names:
-            return self.sbp_for_names(names, shape)
-        return (B,) * self.placement.ndim
+                return out, f"param_sbp {rx.pattern!r}"
+        dn = dim_names(names, len(shape), path)
+        if dn:
+            return self.sbp_for_names(dn, shape), f"names {dn}"
+        return (B,) * self.placement.ndim, "B (no rule, no names)"
 
     def zero_split(self, nd: NdSbp, shape: Sequence[int]) -> NdSbp:
         """``nd`` with the data axis turned from B into a split of one free dim (ZeRO).
@@ -323,15 +345,207 @@ class Strategy:
     def leaf_layouts(
         self, kind: str, path: str, shape: Sequence[int], names=None, base: NdSbp | None = None
     ) -> LeafLayouts:
-        base = self.base_sbp(path, shape, names) if base is None else base
+        source = "given"
+        if base is None:
+            base, source = self._base(path, shape, names)
         z = self.zero_split(base, shape) if self.zero else base
         if kind == "param":
             return LeafLayouts(
-                kind, z if self.zero >= 3 else base, base, z if self.zero >= 2 else base
+                kind, z if self.zero >= 3 else base, base, z if self.zero >= 2 else base, source
             )
         if kind == "opt" and len(shape) > 0:
-            return LeafLayouts(kind, z, z, z)
-        return LeafLayouts(kind, base, base, base)
+            return LeafLayouts(kind, z, z, z, source)
+        return LeafLayouts(kind, base, base, base, source)
+
+    def table(self, tree) -> str:
+        """A text table of every state leaf of ``tree`` (an NNX module, ``nnx.Optimizer``, tuple of
+        them or ``nnx.State``; sharded or not) under this strategy: path, shape, kind, the
+        stored / use / gradient nd-sbp and where the layout comes from (``LeafLayouts.source``:
+        the ``param_sbp`` pattern, the logical names, the parameter an optimizer state follows or
+        derives its layout from, or why it is ``B``)."""
+        state = tree if isinstance(tree, nnx.State) else nnx.state(tree)
+        flat = list(nnx.to_flat_state(state))
+        lays = leaf_layouts(flat, self)
+        rows = [("path", "shape", "kind", "stored", "use", "grad", "from")]
+        for path, var in flat:
+            lay = lays[path]
+            v = _value(var)
+            rows.append((
+                path_str(path), str(_shape(v)) if _is_array(v) else "(pytree)", lay.kind,
+                _sbp.nd_str(lay.stored), _sbp.nd_str(lay.use), _sbp.nd_str(lay.grad), lay.source,
+            ))
+        w = [max(len(r[i]) for r in rows) for i in range(6)]
+        lines = ["  ".join(f"{c:<{w[i]}}" for i, c in enumerate(r[:6])) + "  " + r[6] for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------
+# the leaves of an NNX state and their layouts
+# -------------------------------------------------------------------------------------------
+
+Path = tuple[Any, ...]
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """``('blocks', 0, 'fc', 'kernel')`` -> ``'blocks/0/fc/kernel'`` (what ``param_sbp`` regexes see)."""
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def _kind(var) -> str:
+    if isinstance(var, nnx.Param):
+        return "param"
+    if isinstance(var, nnx.OptState):
+        return "opt"
+    return "other"
+
+
+def _names(var):
+    try:
+        return var.get_metadata().get("out_sharding")
+    except AttributeError:  # pragma: no cover - very old Variable types
+        return None
+
+
+def _value(var):
+    """A state leaf's value: a ``Variable``'s, or the leaf itself when a module holds a plain array
+    (``self.freqs = jnp.arange(...)``, ``nnx.WeightNorm``'s scales)."""
+    if hasattr(var, "get_value"):
+        return var.get_value()
+    return var.value if isinstance(var, nnx.Variable) else var
+
+
+def _is_var(var) -> bool:
+    return isinstance(var, nnx.Variable)
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(np.shape(value))
+
+
+def _is_array(value) -> bool:
+    """Whether a ``Variable`` holds one array (else a pytree of them: optax's ``MaskedNode`` in
+    the state of ``optax.masked`` / ``multi_transform`` / muon, sm3's list of accumulators)."""
+    return isinstance(value, (GlobalTensor, jax.Array, np.ndarray, np.generic, int, float, complex))
+
+
+def leaf_layouts(flat: Sequence[tuple[Path, Any]], strategy: Strategy) -> dict[Path, LeafLayouts]:
+    """The ``LeafLayouts`` of every leaf of a flat NNX state under ``strategy``.
+
+    Optimizer state whose path ends with a parameter's path follows that parameter: "moments
+    follow their parameter". A state shaped like its parameter takes the parameter's base layout;
+    a state of another shape (``optax.adafactor``'s factored ``v_row`` / ``v_col``) takes the
+    splits of the parameter's dims it keeps (:func:`derived_sbp`), else ``B`` — never the
+    parameter's ``param_sbp`` rule read against the wrong shape. Each leaf's ``source`` says
+    which. Other leaves follow the strategy's path patterns and logical names.
+    """
+    params = {}
+    for path, var in flat:
+        if _kind(var) == "param":
+            params[path] = var
+    # every suffix of a parameter path (at least two keys) -> that parameter, if unambiguous
+    by_suffix: dict[Path, Path | None] = {}
+    for path in params:
+        for k in range(len(path) - 1):
+            suf = path[k:]
+            if len(suf) < 2:
+                continue
+            by_suffix[suf] = None if (suf in by_suffix and by_suffix[suf] != path) else path
+    base_of: dict[Path, tuple] = {}
+    source_of: dict[Path, str] = {}
+    for path, var in params.items():
+        base_of[path], source_of[path] = strategy._base(path_str(path), _shape(_value(var)), _names(var))
+    out: dict[Path, LeafLayouts] = {}
+    b = (_sbp.broadcast,) * strategy.placement.ndim
+    for path, var in flat:
+        kind = _kind(var)
+        if not _is_array(_value(var)):  # a pytree of arrays in one Variable: each leaf B
+            out[path] = LeafLayouts(kind, b, b, b, "B (a pytree of arrays)")
+            continue
+        shape = _shape(_value(var))
+        base = base_of.get(path)
+        names = _names(var)
+        source = source_of.get(path)
+        if kind == "opt":
+            for k in range(len(path) - 1):
+                p = by_suffix.get(path[k:])
+                if p is not None:
+                    pshape = _shape(_value(params[p]))
+                    if pshape == shape:
+                        base, source = base_of[p], f"follows {path_str(p)}"
+                    else:  # its parameter's names (Flax copies them) describe other dims
+                        base, kept = derived_sbp(base_of[p], pshape, shape)
+                        source = (
+                            f"B: shaped {shape}, unlike {path_str(p)} {pshape}" if kept is None
+                            else f"derived from {path_str(p)} {pshape} (keeps dims {kept})"
+                        )
+                    break
+            # a copy of a parameter's metadata on a smaller leaf (adafactor's v_row)
+            if names is not None and _meta_rank(names) > len(shape):
+                names = None
+        if is_key_dtype(getattr(_value(var), "dtype", None)):  # RNG keys: always B, never split
+            out[path] = LeafLayouts(kind, b, b, b, "B (a PRNG key)")
+            continue
+        lay = strategy.leaf_layouts(kind, path_str(path), shape, names, base=base)
+        if source is not None:
+            lay = dataclasses.replace(lay, source=source)
+        out[path] = lay
+    return out
+
+
+def derived_sbp(nd: tuple, pshape: tuple[int, ...], shape: tuple[int, ...]) -> tuple[tuple, tuple | None]:
+    """The layout of a state of ``shape`` derived from its parameter's layout ``nd`` (shape
+    ``pshape``): ``(layout, kept)`` where ``kept`` are the parameter dims the state keeps, in order.
+
+    A state keeps parameter dims when its shape is the parameter's with some dims dropped
+    (adafactor's ``v_row`` drops the last dim, ``v_col`` the one before it) or with some dims
+    reduced to 1 in place (``keepdims``). The state takes the splits of the dims it keeps (a split
+    of a dropped dim becomes ``B``). When the dims it keeps are ambiguous (a square kernel's
+    ``v_row`` and ``v_col`` have one shape) and the candidates give different layouts, or no
+    embedding exists (adafactor's ``(1,)`` placeholders), the state is ``B`` and ``kept`` is None.
+    """
+    b = (_sbp.broadcast,) * len(nd)
+    cands: list[tuple[int, ...]] = []
+    if len(shape) == len(pshape):  # keepdims: every dim equal, or 1 where the parameter's is not
+        if all(s == q or s == 1 for s, q in zip(shape, pshape)):
+            cands.append(tuple(d for d, (s, q) in enumerate(zip(shape, pshape)) if s == q))
+    elif len(shape) < len(pshape):  # dims dropped: every embedding of shape in pshape, in order
+        def embed(i: int, j: int, acc: tuple[int, ...]):
+            if len(cands) > 16:
+                return
+            if i == len(shape):
+                cands.append(acc)
+                return
+            for d in range(j, len(pshape) - (len(shape) - i) + 1):
+                if pshape[d] == shape[i]:
+                    embed(i + 1, d + 1, acc + (d,))
+
+        embed(0, 0, ())
+    layouts = set()
+    for kept in cands:
+        layouts.add(tuple(
+            _sbp.Split(kept.index(x.dim) if len(shape) != len(pshape) else x.dim)
+            if x.is_split and x.dim in kept else (b[0] if x.is_split else x)
+            for x in nd
+        ))
+    if len(layouts) != 1 or len(cands) > 16:
+        return b, None
+    out = layouts.pop()
+    if any(x.is_partial for x in out):  # a state is never a partial sum
+        return b, None
+    return out, cands[0]
+
+
+def _meta_rank(meta) -> int:
+    """How many dims an ``out_sharding`` metadata value names (0 when it names none)."""
+    if isinstance(meta, jax.sharding.Sharding):
+        meta = getattr(meta, "spec", None)
+    if meta is None:
+        return 0
+    if isinstance(meta, str):
+        return 1
+    return len(meta) if isinstance(meta, (tuple, list)) else 0
+
 
 
 # -------------------------------------------------------------------------------------------

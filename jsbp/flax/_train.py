@@ -34,8 +34,8 @@ from .._errors import SbpError
 from .._jit import jit as sbp_jit
 from .._sbp import broadcast as _sbp_broadcast
 from .._tensor import GlobalTensor, is_key_dtype, tensor, to_global
-from ._state import _is_global, _plain, leaf_layouts
-from ._strategy import Strategy, activate
+from ._state import _is_global, _plain, _put, local_nbytes
+from ._strategy import Strategy, activate, leaf_layouts
 
 __all__ = ["make_train_step", "TrainStep"]
 
@@ -229,7 +229,7 @@ class TrainStep:
                 x.sbp if _is_global(x) else None for x in jax.tree.leaves(state, is_leaf=_is_global)
             ),
         )
-        fn = self._cache.get(key)
+        fn = _lookup(self._cache, key)
         if fn is not None:
             return fn
         if self.strategy is None:
@@ -241,7 +241,7 @@ class TrainStep:
             leaves = jax.tree.leaves(state, is_leaf=_is_global)
             out_sbp = [x.sbp if _is_global(x) else None for x in leaves] + [None]
             fn = sbp_jit(self._logical(graphdef, plans, carry), out_sbp=out_sbp)
-        self._cache[key] = fn
+        _store(self._cache, key, fn)
         return fn
 
     def pure(self, graphdef, state, batch):
@@ -301,7 +301,6 @@ class TrainStep:
         ``in_place`` is the step with its state updated in place) and, for a strategy chosen by
         ``Strategy.auto``, the ``predicted`` peak and ``predicted_state``."""
         from .._cost import measured_bytes
-        from ._state import local_nbytes
 
         if self.strategy is None:
             raise SbpError(
@@ -325,6 +324,36 @@ class TrainStep:
         _, graphdef, state = self._split(model, optimizer, rngs)
         batch = self.put_batch(batch)
         return count_collectives(self._compiled(graphdef, state, batch), state, batch)
+
+
+def _lookup(cache: dict, key):
+    """``cache[key]`` or None. A model's ``GraphDef`` holds its static attributes, which need not
+    hash (a ``@dataclass`` config on a module): such keys are found by ``==`` among the entries
+    stored under ``_UNHASHABLE``, as ``jax.jit`` compares a static argument it cannot hash."""
+    try:
+        return cache.get(key)
+    except TypeError:
+        for k, v in cache.get(_UNHASHABLE, ()):
+            if _same(k, key):
+                return v
+        return None
+
+
+def _store(cache: dict, key, value) -> None:
+    try:
+        cache[key] = value
+    except TypeError:
+        cache.setdefault(_UNHASHABLE, []).append((key, value))
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an attribute whose == raises or is ambiguous (an array): not the same
+        return False
+
+
+_UNHASHABLE = object()  # the cache's list of (unhashable key, value) pairs
 
 
 def _assigned(before: dict, model) -> nnx.State:
@@ -357,8 +386,6 @@ def _plain_arrays_back(state, new_state):
 def _put_rngs(state, strategy):
     """The call-time ``nnx.Rngs`` (the last object of the state) on the strategy's placement, B:
     plain keys / counts are put there (in place), so later steps see global tensors."""
-    from ._state import _put
-
     b = (_sbp_broadcast,) * strategy.placement.ndim
     flat = list(nnx.to_flat_state(state))
     last = max(p[0] for p, _ in flat)

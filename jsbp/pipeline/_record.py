@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from ._schedule import Action, Schedule
+from ._timeline import timeline_html, timeline_text
 
 __all__ = ["LiveSample", "StepRecord"]
 
@@ -96,13 +97,9 @@ class StepRecord:
         return out
 
     def text(self) -> str:
-        from ._timeline import timeline_text
-
         return timeline_text(self.schedule, self)
 
     def html(self) -> str:
-        from ._timeline import timeline_html
-
         return timeline_html(self.schedule, self)
 
     def _repr_html_(self) -> str:

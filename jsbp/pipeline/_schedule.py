@@ -31,6 +31,7 @@ from fractions import Fraction
 from typing import NamedTuple
 
 from .._errors import SbpError
+from ._timeline import timeline_html, timeline_text
 
 __all__ = [
     "Action",
@@ -144,14 +145,10 @@ class Schedule:
     # -- pictures ----------------------------------------------------------------------------
     def text(self, record=None) -> str:
         """The timeline as text (one row per rank, one column per slot)."""
-        from ._timeline import timeline_text
-
         return timeline_text(self, record)
 
     def html(self, record=None) -> str:
         """The timeline as self-contained HTML + SVG (no script)."""
-        from ._timeline import timeline_html
-
         return timeline_html(self, record)
 
     def _repr_html_(self) -> str:

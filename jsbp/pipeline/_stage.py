@@ -119,8 +119,23 @@ _PROGRAMS: OrderedDict = OrderedDict()
 _PROGRAMS_MAX = 64  # compiled programs kept (least recently used dropped first)
 
 
+_UNHASHED: list = []  # (key, program) for keys that do not hash, found by ==, newest last
+
+
 def _cached(key, make):
-    prog = _PROGRAMS.get(key)
+    """The program for ``key``, made once. A key holding a module's ``GraphDef`` need not hash
+    (a ``@dataclass`` config stored on a module): such keys are compared with ``==``."""
+    try:
+        prog = _PROGRAMS.get(key)
+    except TypeError:
+        for i, (k, p) in enumerate(_UNHASHED):
+            if _same(k, key):
+                _UNHASHED.append(_UNHASHED.pop(i))
+                return p
+        prog = make()
+        _UNHASHED.append((key, prog))
+        del _UNHASHED[:-_PROGRAMS_MAX]
+        return prog
     if prog is None:
         prog = _PROGRAMS[key] = make()
         while len(_PROGRAMS) > _PROGRAMS_MAX:
@@ -128,6 +143,13 @@ def _cached(key, make):
     else:
         _PROGRAMS.move_to_end(key)
     return prog
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an == that raises or is ambiguous (an array attribute): not the same
+        return False
 
 
 def _signature(*trees) -> tuple:
@@ -146,6 +168,13 @@ def _signature(*trees) -> tuple:
             )
         )
     return tuple(out)
+
+
+def _shapes(tree) -> str:
+    """``shape (4, 12) float32`` of one array, ``shapes [...]`` of a pytree (for messages)."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_global)
+    parts = [f"{tuple(np.shape(v))} {getattr(v, 'dtype', np.result_type(v))}" for v in leaves]
+    return f"shape {parts[0]}" if len(parts) == 1 else f"shapes [{', '.join(parts)}]"
 
 
 def grad_sbp(param_sbp: tuple, strategy: Strategy) -> tuple:
@@ -360,13 +389,37 @@ class Stage:
         stage)."""
         params, rest = self._state
         prog = self._programs_for(x, t)
-        y, residuals, new_rest = prog.fwd(params, rest, x, t)
+        try:
+            y, residuals, new_rest = prog.fwd(params, rest, x, t)
+        except SbpError:
+            raise
+        except (TypeError, ValueError) as e:  # JAX refused to trace the stage on these shapes
+            raise self._input_error(x, t, e) from e
         self._state = (params, new_rest)  # the next micro-batch sees the advanced state
         if not self.last:
             self._y_sbp = [v.sbp for v in _leaves(y) if _is_global(v)]
         keep_x = x if prog.meta.get("x") else None
         keep_t = t if prog.meta.get("t") else None
         return y, Stash(microbatch, keep_x, keep_t, residuals, prog, rest)
+
+    def _input_error(self, x, t, err: Exception) -> SbpError:
+        """The error of a stage that cannot take what it was given: which stage gave it (or the
+        micro-batch inputs), with the shapes, and JAX's own complaint."""
+        what = (
+            f"the micro-batch inputs of {_shapes(x)}" if self.first
+            else f"stage {self.index - 1}'s output of {_shapes(x)}"
+        )
+        tgt = f" (targets {_shapes(t)})" if t is not None and self.last else ""
+        fix = (
+            f"make stage {self.index - 1}'s output match what stage {self.index} takes (or stage "
+            f"{self.index}'s input size match stage {self.index - 1}'s output)"
+            if not self.first else "give stage 0 inputs of the shape its first layer takes"
+        )
+        name = type(self.user_module).__name__
+        return SbpError(
+            f"pipeline: stage {self.index} ({name}) cannot take {what}{tgt}: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else err!r}; {fix}."
+        )
 
     def backward(self, stash: Stash, dy):
         """Run the backward of one micro-batch from its stash; adds its parameter gradient to the

@@ -14,10 +14,12 @@ every idle slot a ``<rect class="jsbp-idle">``, so tests can read the picture ba
 from __future__ import annotations
 
 import html
-
-from ._schedule import Schedule
+from typing import Any
 
 __all__ = ["timeline_text", "timeline_html", "format_bytes"]
+
+# ``sch`` below is a ``jsbp.pipeline.Schedule`` (read by its attributes: this module is imported by
+# ``_schedule``, which draws itself with it, so it does not import ``_schedule``)
 
 FONT = "ui-monospace,SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono',monospace"
 RULE = "rgba(127,127,127,0.35)"
@@ -36,12 +38,12 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _label(sch: Schedule, a) -> str:
+def _label(sch: Any, a) -> str:
     chunk = a.stage // sch.ranks
     return f"{a.kind}{a.microbatch}" + (f"/{chunk}" if sch.chunks > 1 else "")
 
 
-def summary(sch: Schedule) -> str:
+def summary(sch: Any) -> str:
     b = sch.bubble
     p, m = sch.ranks, sch.microbatches
     idle = sch.ranks * sch.makespan - len(sch.actions)
@@ -54,7 +56,7 @@ def summary(sch: Schedule) -> str:
     return head
 
 
-def _live_per_rank(sch: Schedule, counts) -> list[int]:
+def _live_per_rank(sch: Any, counts) -> list[int]:
     per = [0] * sch.ranks
     for s, c in enumerate(counts):
         per[sch.rank_of[s]] += c
@@ -86,7 +88,7 @@ _PEAK_HEAD = (
 )
 
 
-def timeline_text(sch: Schedule, record=None) -> str:
+def timeline_text(sch: Any, record=None) -> str:
     """One row per rank, one column per slot; ``.`` is an idle slot (the bubble)."""
     grid = [["."] * sch.makespan for _ in range(sch.ranks)]
     for a in sch.actions:
@@ -129,7 +131,7 @@ def _text(x, y, s, *, anchor="middle", size=11, opacity=None) -> str:
     )
 
 
-def timeline_svg(sch: Schedule, record=None) -> str:
+def timeline_svg(sch: Any, record=None) -> str:
     n, R = sch.makespan, sch.ranks
     live = record.live_by_slot() if record is not None else None
     lane = _CELL_H + (_LIVE_H if live is not None else 0) + 6
@@ -216,7 +218,7 @@ def _table(head, rows) -> str:
     )
 
 
-def timeline_html(sch: Schedule, record=None) -> str:
+def timeline_html(sch: Any, record=None) -> str:
     """The timeline as one self-contained ``<div>`` (inline SVG + a table of measured peaks)."""
     legend = _chip("F", "forward") + _chip("B", "backward") + _chip("idle", "idle (bubble)")
     if sch.chunks > 1:

@@ -13,6 +13,10 @@ Each module exposes
   ``tests/test_model_zoo.py`` turns them into a ``jsbp.flax.Strategy`` for each placement.
 
 Sizes are tiny (d_model 32, 2 layers, batch 16) so a step compiles in seconds on CPU.
+
+``minigpt.py`` and ``gemma.py`` are not zoo members: they rebuild Flax's published miniGPT
+tutorial and Gemma example (sharded variant) with their own explicit-sharding idioms, for
+``tests/test_minigpt.py`` and ``tests/test_gemma_sharded.py``.
 """
 
 from __future__ import annotations
