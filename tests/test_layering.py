@@ -7,9 +7,9 @@ The core (``_sbp``, ``_placement``, ``_layout``, ``_boxing``, ``_tensor``, ``_co
 and ``importlib.import_module("...")`` calls with a literal name.
 
 No import circle anywhere in ``jsbp/`` (the same imports, function-level ones included): a
-module's import graph is a DAG. The planning modules (``_compiler``, ``_planner``, ``_repeat``,
-``_combine``) are being rewritten as one planner and may still import each other in a circle;
-a circle is allowed only among them (``PLANNING``) until that lands.
+module's import graph is a DAG. The planning modules the one-planner rewrite replaces
+(``_compiler``'s search, ``_planner``, ``_repeat``) still import each other in a circle; a circle
+is allowed only among them (``PLANNING``) until that lands.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-PLANNING = {"jsbp._compiler", "jsbp._planner", "jsbp._repeat", "jsbp._combine"}
+PLANNING = {"jsbp._compiler", "jsbp._planner", "jsbp._repeat"}
 """The modules the one-planner rewrite replaces: an import circle among them alone is allowed
 for now (and only among them)."""
 
