@@ -6,8 +6,9 @@
   ``z[v, s, t] >= a[v, s] + y[v, t] - 1`` (``v`` made in ``s`` and needed in ``t``: the conversion
   runs once), minimising compute plus conversions;
 * otherwise a **greedy start** (each node in program order takes the candidate cheapest for the
-  layouts its operands have, conversions already made for free) followed by **local search**:
-  sweeps that move one node at a time to its best candidate, the rest held, while the cost falls.
+  layouts its operands have, conversions already made for free), **local search** (sweeps that
+  move one node at a time to its best candidate, the rest held, while the cost falls) and
+  **windows**: runs of ``WINDOW`` consecutive nodes solved exactly with the rest held.
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
     return choice
 
 
-def _exact(prob: Problem, time_limit: float = EXACT_TIME_LIMIT_S) -> list[int] | None:
+def _exact(prob: Problem, time_limit: float = EXACT_TIME_LIMIT_S, choice: list[int] | None = None,
+           free: set | None = None) -> list[int] | None:
     """The optimum by ``scipy.optimize.milp``; None if the problem is too large or HiGHS finds no
-    assignment in time."""
+    assignment in time. With ``choice`` and ``free``: only the nodes in ``free`` choose, the others
+    keep ``choice`` (the conversions among kept nodes alone are left out: they do not change)."""
     try:
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_matrix
@@ -92,6 +95,11 @@ def _exact(prob: Problem, time_limit: float = EXACT_TIME_LIMIT_S) -> list[int] |
     cost = [float(c) for n in nodes for c in n.compute]
     integ = [1] * nx
     lo, hi = [0.0] * nx, [1.0] * nx
+    if free is not None:  # kept nodes: their candidate fixed to 1, the others to 0
+        for u, n in enumerate(nodes):
+            if u not in free:
+                for c in range(len(n.cands)):
+                    lo[int(base[u]) + c] = hi[int(base[u]) + c] = 1.0 if c == choice[u] else 0.0
     rows, cols, vals, rlo, rhi = [], [], [], [], []
     r = 0
 
@@ -116,6 +124,9 @@ def _exact(prob: Problem, time_limit: float = EXACT_TIME_LIMIT_S) -> list[int] |
         row([(int(base[u]) + c, 1.0) for c in range(len(n.cands))], 1.0, 1.0)
     for val in prob.values:
         if not val.uses and not val.wants:
+            continue
+        if free is not None and not (val.producer is not None and val.producer[0] in free) \
+                and not any(u in free for u, _ in val.uses):
             continue
         targets: dict = {}
         for u, i in val.uses:
@@ -160,11 +171,39 @@ def _exact(prob: Problem, time_limit: float = EXACT_TIME_LIMIT_S) -> list[int] |
     return [int(np.argmax(x[base[u]:base[u + 1]])) for u in range(len(nodes))]
 
 
+WINDOW = 120
+"""Nodes solved exactly at once by ``windows`` (consecutive in program order)."""
+
+WINDOW_TIME_LIMIT_S = 3.0
+"""Seconds HiGHS may take on one window (its best assignment so far is kept if cheaper)."""
+
+
+def windows(prob: Problem, choice: list[int], size: int = WINDOW, rounds: int = 1) -> list[int]:
+    """Large-neighbourhood search: windows of ``size`` consecutive nodes (half overlapping) each
+    solved exactly with the rest held, kept where ``Problem.cost`` drops; ``rounds`` passes."""
+    choice = list(choice)
+    cost = prob.cost(choice)
+    n = len(prob.nodes)
+    for _ in range(rounds):
+        improved = False
+        for start in range(0, max(n - size // 2, 1), size // 2):
+            free = set(range(start, min(start + size, n)))
+            got = _exact(prob, WINDOW_TIME_LIMIT_S, choice, free)
+            if got is None:
+                continue
+            c = prob.cost(got)
+            if c < cost - 1e-6:
+                choice, cost, improved = got, c, True
+        if not improved:
+            break
+    return choice
+
+
 def solve(prob: Problem) -> list[int]:
-    """The cheapest assignment found: exact where small, else greedy plus local search (the
-    cheaper of the exact answer and the search's is kept, by ``Problem.cost``)."""
+    """The cheapest assignment found: exact where the whole problem is small; else greedy, local
+    search, then windows solved exactly (the cheapest by ``Problem.cost`` is kept)."""
     start = local_search(prob, greedy(prob))
     exact = _exact(prob)
-    if exact is not None and prob.cost(exact) < prob.cost(start):
-        return exact
-    return start
+    if exact is not None:
+        return exact if prob.cost(exact) < prob.cost(start) else start
+    return windows(prob, start)
