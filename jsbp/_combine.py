@@ -46,7 +46,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from ._boxing import blocks_first, collective_axes, collective_dtype, gathered_to_dim
+from ._boxing import blocks_first, collective_axes, collective_dtype, gathered_to_dim, sum_dtype
 
 COMBINE_BUCKET_BYTES = 32 << 20
 """Most input bytes per device in one combined collective (DDP's buckets are 25 MiB)."""
@@ -252,12 +252,18 @@ class Groups:
         wide = collective_dtype(members[0][1].dtype, mv.src.is_partial)  # one dtype per group
         if wide is not None:
             members = [(bx, x.astype(wide)) for bx, x in members]
+        narrow = members[0][1].dtype
+        half = sum_dtype(narrow) if mv.collective != "all-gather" else None  # 16-bit sums in float32
+        if half is not None:
+            members = [(bx, x.astype(half)) for bx, x in members]
         if mv.collective == "all-reduce":
             outs = _all_reduce_many([x for _, x in members], axis)
         elif mv.collective == "reduce-scatter":
             outs = _reduce_scatter_many([(x, bx.dst.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
         else:
             outs = _all_gather_many([(x, bx.src.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
+        if half is not None:
+            return [y.astype(narrow) for y in outs]
         return outs if wide is None else [y != 0 for y in outs]
 
 

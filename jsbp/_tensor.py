@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _hooks, _sbp, _trace
-from ._boxing import make_local_boxer
+from ._boxing import make_local_boxer, sum_dtype
 from ._errors import PlacementError, SbpError
 from ._interop import meshless, portable_key
 from ._layout import Layout, balanced, layout_of, normalise_nd, offsets
 from ._placement import placement as Placement
+from ._statickey import static_key
 
 __all__ = [
     "GlobalTensor",
@@ -344,8 +345,10 @@ def _encode_raw(value, lay: Layout):
 def _decode_raw(phys, lay: Layout):
     x = phys
     if lay.partial_axes:
-        red = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[lay.partial_kind]
-        x = red(x, axis=0)
+        if lay.partial_kind == "sum":  # 16-bit floats: summed in float32, rounded once
+            x = jnp.sum(x, axis=0, dtype=sum_dtype(x.dtype)).astype(x.dtype)
+        else:
+            x = (jnp.max if lay.partial_kind == "max" else jnp.min)(x, axis=0)
     for d in range(len(lay.shape)):
         if lay.ways(d) > 1 and lay.shape[d] % lay.ways(d) != 0:
             idx, valid = _dim_index_table(lay, d)
@@ -742,7 +745,8 @@ def _from_named(arr: jax.Array, placement, sbp, dtype) -> GlobalTensor:
 
 
 @functools.lru_cache(maxsize=1024)
-def _filled(lay: Layout, dtype, fill):
+def _filled(lay: Layout, dtype, fill, key):
+    """``key``: the fill's ``static_key`` (``0.0 == -0.0`` and ``1 == True`` hash alike)."""
     def make():
         return _encode_raw(jnp.full(lay.shape, fill, dtype), lay)
 
@@ -760,21 +764,24 @@ def full(shape, value, placement=None, sbp=None, *, dtype=None) -> GlobalTensor:
             f"full: the fill value must be a number or a 0-d numeric array, got {value!r} "
             f"({type(value).__name__}); e.g. jsbp.full((2, 3), 1.5, placement=..., sbp=...)."
         )
-    if dtype is None:  # like jnp.full: the value's own dtype, Python floats as float32
-        dtype = value.dtype if hasattr(value, "dtype") else np.float32 if isinstance(value, float) else np.result_type(type(value))
+    if dtype is None:  # like jnp.full: the value's own dtype, Python scalars as jnp's defaults
+        dtype = value.dtype if hasattr(value, "dtype") else jnp.result_type(value)  # (x64: float64, int64)
     dt = _canonical_dtype(dtype)
     _check_fits(lay, dt, "full")
     if math.prod(shape) == 0:
         return GlobalTensor(_empty(lay, dt), lay)
-    return GlobalTensor(_filled(lay, dt, value.item() if hasattr(value, "item") else value)(), lay)
+    fill = value.item() if hasattr(value, "item") else value
+    return GlobalTensor(_filled(lay, dt, fill, static_key(fill))(), lay)
 
 
-def zeros(*shape, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
-    return full(_shape_args(shape, "zeros"), 0, placement, sbp, dtype=dtype)
+def zeros(*shape, placement=None, sbp=None, dtype=None) -> GlobalTensor:
+    """``jnp.zeros``: float32 by default (float64 under ``jax_enable_x64``)."""
+    return full(_shape_args(shape, "zeros"), 0.0, placement, sbp, dtype=dtype)
 
 
-def ones(*shape, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
-    return full(_shape_args(shape, "ones"), 1, placement, sbp, dtype=dtype)
+def ones(*shape, placement=None, sbp=None, dtype=None) -> GlobalTensor:
+    """``jnp.ones``: float32 by default (float64 under ``jax_enable_x64``)."""
+    return full(_shape_args(shape, "ones"), 1.0, placement, sbp, dtype=dtype)
 
 
 def arange(*args, placement=None, sbp=None, dtype=None) -> GlobalTensor:
