@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -122,11 +123,21 @@ def _keys_broadcast(out_nd, avals, placement):
     return [(_sbp.broadcast,) * placement.ndim if k else nd for k, nd in zip(keys, out_nd)]
 
 
+def _weak(x) -> bool:
+    """A Python scalar, or an array (or tracer) JAX marks weakly typed."""
+    return type(x) in (int, float, complex) or bool(getattr(getattr(x, "aval", x), "weak_type", False))
+
+
 def _leaf_type(x):
     try:
-        return (x.dtype, x.shape)
+        return (x.dtype, x.shape, _weak(x))
     except AttributeError:  # a Python scalar
         return type(x)
+
+
+def _scalar_tracer(x) -> bool:
+    """A Python scalar argument as ``jax.jit`` traces it: a weakly typed 0-d tracer."""
+    return isinstance(x, jax.core.Tracer) and x.ndim == 0 and _weak(x)
 
 
 def _put_plain(x, lay: Layout):
@@ -274,7 +285,7 @@ class JitFunction:
         # Static arguments keep the Python path (jax.jit would key them by ``==``: ``1 == 1.0``),
         # and so does a call under a context mesh (the function is traced under it, see
         # ``trace_with_mesh``; the program runs without it, see ``meshless``)
-        self._outer = None if self.static_argnums else jax.jit(self._traced_call)
+        self._outer = None if self.static_argnums else jax.jit(_traced_call_of(weakref.ref(self)))
         functools.update_wrapper(self, fn)
 
     # -- argument handling -------------------------------------------------------------------
@@ -322,7 +333,7 @@ class JitFunction:
                 phys.append(_put_plain(arr, lay))
                 lays.append(lay)
                 dtypes.append(_dtype(arr.dtype))
-                weak.append(type(x) in (int, float, complex))
+                weak.append(_weak(x))
                 plain.append((i, lay))
         key = (treedef, tuple(lays), tuple(dtypes), tuple(weak), self._static_key(static))
         return key, placement, treedef, static, lays, dtypes, phys, plain
@@ -371,7 +382,11 @@ class JitFunction:
         if self._outer is not None and not _context_mesh_set():
             try:
                 return self._outer(*args)
-            except _PlainArguments:  # this function is called with plain arrays or scalars
+            except _PlainArguments:  # this function is called with plain arrays
+                self._outer = None
+            except ValueError as e:  # a 0-d weak array committed to other devices
+                if "incompatible devices" not in str(e):
+                    raise
                 self._outer = None
         entry, phys = self._lookup(args)
         if any(isinstance(p, jax.core.Tracer) for p in phys):
@@ -390,7 +405,7 @@ class JitFunction:
         the placement by the Python path (``_put_plain``: a committed single-device array, and a
         scalar's weak type, are handled there), so one raises ``_PlainArguments`` and the function
         keeps the Python path from then on."""
-        if not all(_is_global(x) for x in jax.tree_util.tree_leaves(args, is_leaf=_is_global)):
+        if not all(_is_global(x) or _scalar_tracer(x) for x in jax.tree_util.tree_leaves(args, is_leaf=_is_global)):
             raise _PlainArguments
         entry, phys = self._lookup(args)
         return jax.tree_util.tree_unflatten(entry.out_struct, _differentiable(entry)(*phys))
@@ -401,18 +416,32 @@ class JitFunction:
         return entry.fn.lower(*phys)
 
 
+def _traced_call_of(ref):
+    """``JitFunction._traced_call`` of the function ``ref`` refers to, for its ``jax.jit``: a weak
+    reference, so that the function and what it captured go with the last reference to it (a
+    bound method would make a cycle that only a garbage collection pass breaks, and JAX's caches
+    of the traced program would keep the captured arrays until then)."""
+
+    def traced_call(*args):
+        return ref()._traced_call(*args)
+
+    return traced_call
+
+
 def _differentiable(entry: _Entry):
     if entry._diff is not None:
         return entry._diff
+    fn, ref = entry.fn, weakref.ref(entry)  # no cycle entry -> run -> entry (see _traced_call_of)
 
     @jax.custom_vjp
     def run(*phys):
-        return entry.fn(*phys)
+        return fn(*phys)
 
     def fwd(*phys):
-        return entry.fn(*phys), phys
+        return fn(*phys), phys
 
     def bwd(phys, cts):
+        entry = ref()
         bwd_fn, diff_idx = _backward(entry)
         cts = [  # the backward program reads the cotangents of inexact outputs only (keys: float0)
             c if not (hasattr(c, "dtype") and c.dtype == jax.dtypes.float0) else jnp.zeros(l.physical_shape, d)
