@@ -172,3 +172,19 @@ def test_dropped_jit_functions_release_their_closures_after_grad():
         return lambda x: jax.grad(lambda t: f(t).to_jax())(x)
 
     assert _captured_alive(make) == 0
+
+
+@pytest.mark.slow
+def test_eager_scalars_benchmark_runs():
+    """``benchmarks/eager_scalars.py`` runs and passes its own checks (schedule within 2x of the
+    constant, both agreeing with plain ``jnp``); no timing is asserted here beyond the script's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "eager_scalars.py"), "--steps", "20"],
+                         cwd=root, env=dict(os.environ), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "schedule / constant" in res.stdout
