@@ -232,6 +232,33 @@ class GlobalTensor:
         out = self.numpy()
         return out.astype(dtype) if dtype is not None else out
 
+    def __format__(self, spec: str) -> str:
+        """As a ``jax.Array``: a 0-d tensor formats as its value (``f"{loss:.4f}"``); a non-empty
+        spec on another shape is numpy's (which refuses most); no spec is ``str(x)``."""
+        if not spec:
+            return str(self)
+        value = self._item("format") if self.ndim == 0 else self.numpy()
+        return format(value, spec)
+
+    def __reduce__(self):
+        """Pickles as its logical value, placement and nd-sbp (a ``jax.Array`` pickles as its
+        value); unpickling lays the value out again on the same placement (a ``P`` tensor as its
+        sum in one addend). For a tensor spread over several processes, or a PRNG key array,
+        use ``jsbp.checkpoint``."""
+        lay = self._layout
+        if isinstance(self._value, jax.core.Tracer):
+            raise SbpError(
+                f"cannot pickle the global tensor of {lay.describe()}: it is a tracer here (inside jax.jit / "
+                "jax.grad / jsbp.jit). Pickle concrete tensors, or save them with jsbp.checkpoint.save."
+            )
+        if is_key_dtype(self.dtype) or not self._value.is_fully_addressable:
+            what = "a PRNG key array" if is_key_dtype(self.dtype) else "spread over several processes"
+            raise SbpError(
+                f"cannot pickle the global tensor of {lay.describe()}: it is {what}. Use "
+                "jsbp.checkpoint.save(path, tree) / jsbp.checkpoint.load(path, ...) instead."
+            )
+        return (_unpickle, (self.numpy(), lay.placement, lay.nd_sbp))
+
     def __len__(self):
         if not self.shape:
             raise TypeError("len() of a 0-d global tensor")
@@ -281,6 +308,10 @@ class GlobalTensor:
                 f"only integer global tensors can be used as an index; this one is {np.dtype(self.dtype).name}."
             )
         return int(self._item("index"))
+
+
+def _unpickle(value, placement, nd_sbp) -> GlobalTensor:
+    return tensor(value, placement=placement, sbp=nd_sbp)
 
 
 def _check_global(x, op: str) -> GlobalTensor:
@@ -709,6 +740,15 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
             np_arr = np.asarray(data)
         except OverflowError as e:
             raise SbpError(f"tensor: cannot make a tensor from {type(data).__name__} {data!r}: {e}.") from None
+        except ValueError:
+            ragged = _ragged_at(data)
+            if ragged is None:
+                raise
+            raise SbpError(
+                f"tensor: the argument data is a ragged nested {type(data).__name__}: {ragged}, so it has no "
+                "rectangular shape. Give data as a nested list whose rows at each depth have one length "
+                "(or a numpy / jax array), e.g. [[1, 2], [3, 4]]."
+            ) from None
         if np_arr.dtype == object:
             big = [v for v in np.ravel(np.asarray(data, dtype=object)) if isinstance(v, int) and abs(v) >= 2**63]
             why = f" ({big[0]} does not fit a 64-bit integer)" if big else ""
@@ -727,6 +767,28 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
             jax.make_array_from_callback(phys.shape, lay.sharding, lambda i: phys[i], dtype=phys.dtype), lay
         )
     return _from_logical(arr, lay)
+
+
+def _ragged_at(data, path="data"):
+    """Where a nested list stops being rectangular, in words (None where it does not)."""
+    if not isinstance(data, (list, tuple)):
+        return None
+    seqs = [isinstance(x, (list, tuple, np.ndarray)) for x in data]
+    if any(seqs) and not all(seqs):
+        i, j = seqs.index(True), seqs.index(False)
+        return f"{path}[{i}] is a sequence but {path}[{j}] is a scalar"
+    if not any(seqs):
+        return None
+    shapes = [np.shape(x) if isinstance(x, np.ndarray) else (len(x),) for x in data]
+    if len({s[0] for s in shapes}) > 1:
+        lens = [s[0] for s in shapes]
+        j = next(k for k, n in enumerate(lens) if n != lens[0])
+        return f"{path}[0] has length {lens[0]} but {path}[{j}] has length {lens[j]}"
+    for i, x in enumerate(data):
+        found = _ragged_at(x, f"{path}[{i}]") if not isinstance(x, np.ndarray) else None
+        if found is not None:
+            return found
+    return None
 
 
 def _from_named(arr: jax.Array, placement, sbp, dtype) -> GlobalTensor:
