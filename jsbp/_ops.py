@@ -66,8 +66,11 @@ def eager(fn, *args, **kwargs):
     ``x * 0.1`` and ``x * 0.2`` run one compiled program."""
     dyn_pos = tuple(i for i, a in enumerate(args) if _is_dynamic(a) or _scalar_operand(fn, i, a, args))
     try:  # typed keys: 1, 1.0, True and -0.0 are different programs (``_statickey``)
+        # the scalar operands' types: a bool or numpy scalar (a strong 0-d array, which the
+        # program's fast path does not take) gets a wrapper of its own, leaving the weakly typed
+        # Python numbers' on it
         key = (fn, dyn_pos, static_key(tuple(a for i, a in enumerate(args) if i not in dyn_pos)),
-               static_key(kwargs))
+               static_key(kwargs), tuple(type(args[i]) for i in dyn_pos if not _is_dynamic(args[i])))
         jf = _CACHE.get(key)
     except TypeError:  # unhashable static argument: no caching of the wrapper
         jf, key = None, None

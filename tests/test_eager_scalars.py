@@ -188,3 +188,18 @@ def test_eager_scalars_benchmark_runs():
                          cwd=root, env=dict(os.environ), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "schedule / constant" in res.stdout
+
+
+def test_numpy_scalars_keep_python_scalars_on_the_fast_path(x):
+    """A numpy scalar or a bool operand (a strong 0-d array) has its own program and leaves the
+    Python numbers' one on JAX's dispatch path."""
+    from jsbp import _ops
+
+    x * True
+    x * 0.5
+    x * np.float32(2.0)
+    x * 2
+    wrappers = {key[-1]: jf for key, jf in _ops._CACHE.items() if key[0] is jnp.multiply and key[1] == (0, 1)}
+    assert wrappers[(float,)]._outer is not None and wrappers[(int,)]._outer is not None
+    np.testing.assert_array_equal((x * np.float32(2.0)).numpy(), x.numpy() * np.float32(2.0))
+    assert (x.astype(jnp.float16) * np.float32(2.0)).dtype == jnp.float32  # a strong float32, as in jnp
