@@ -450,8 +450,12 @@ class JitFunction:
             self._fast[fast_key] = (entry, plain)
         return entry, phys
 
+    def _find(self, args, kwargs):
+        """``_lookup``; its one-argument form where the call has no keyword arguments."""
+        return self._lookup(args, kwargs) if kwargs else self._lookup(args)
+
     def lower_program(self, *args, **kwargs) -> _Entry:
-        return self._lookup(args, kwargs)[0]
+        return self._find(args, kwargs)[0]
 
     def __call__(self, *args, **kwargs):
         tracer = current_tracer()
@@ -467,7 +471,7 @@ class JitFunction:
                 if "incompatible devices" not in str(e):
                     raise
                 self._outer = None
-        entry, phys = self._lookup(args, kwargs)
+        entry, phys = self._find(args, kwargs)
         if any(isinstance(p, jax.core.Tracer) for p in phys):
             outs = _differentiable(entry)(*phys)
         else:
@@ -501,19 +505,19 @@ class JitFunction:
         if not all(_is_global(x) or _scalar_tracer(x)
                    for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_global)):
             raise _PlainArguments
-        entry, phys = self._lookup(args, kwargs)
+        entry, phys = self._find(args, kwargs)
         return jax.tree_util.tree_unflatten(entry.out_struct, _differentiable(entry)(*phys))
 
     def lower(self, *args, **kwargs):
         """``jax.jit``-style lowering of the compiled program (used by
         ``jsbp.debug.count_collectives``): the ``shard_map`` over the arguments' physical arrays."""
-        entry, phys = self._lookup(args, kwargs)
+        entry, phys = self._find(args, kwargs)
         return entry.fn.lower(*phys)
 
     def trace(self, *args, **kwargs):
         """``jax.jit``-style tracing of the compiled program: a ``jax.stages.Traced`` of the
         ``shard_map`` over the arguments' physical arrays (its ``.jaxpr``, ``.lower()``)."""
-        entry, phys = self._lookup(args, kwargs)
+        entry, phys = self._find(args, kwargs)
         fn = entry.fn
         if isinstance(fn, _DropEmpty):
             phys, fn = fn._keep(phys), fn.fn
