@@ -580,6 +580,8 @@ def sum_dtype(dtype):
     are summed in float32 and rounded once, as one device accumulates them: addends that cancel
     (60000 + 60000 - 60000 - 60000 in float16) sum to 0, not ``inf``, and no sum is off by the
     roundings of a pairwise tree."""
+    if not jnp.issubdtype(dtype, jnp.floating):  # (PRNG key dtypes are no numpy dtypes)
+        return None
     return jnp.float32 if np.dtype(dtype) in _HALF else None
 
 
