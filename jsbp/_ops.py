@@ -45,8 +45,8 @@ def _int_fits(v: int) -> bool:
     return info.min <= v <= info.max
 
 
-def _scalar_operand(fn, i, a, args) -> bool:
-    """Whether argument ``i`` of ``fn(*args)`` is a scalar that runs as a traced operand."""
+def _scalar_operand(fn, i, a) -> bool:
+    """Whether argument ``i`` (``a``) of a call of ``fn`` is a scalar that runs as a traced operand."""
     t = type(a)
     if t not in _SCALARS and not (isinstance(a, np.generic) and (isinstance(a, np.number) or t is np.bool_)):
         return False
@@ -64,7 +64,7 @@ def eager(fn, *args, **kwargs):
     program's arguments; the other arguments are part of the program and key its cache by type
     and value (``_statickey``). The program's own cache keys its arguments by types and layouts:
     ``x * 0.1`` and ``x * 0.2`` run one compiled program."""
-    dyn_pos = tuple(i for i, a in enumerate(args) if _is_dynamic(a) or _scalar_operand(fn, i, a, args))
+    dyn_pos = tuple(i for i, a in enumerate(args) if _is_dynamic(a) or _scalar_operand(fn, i, a))
     try:  # typed keys: 1, 1.0, True and -0.0 are different programs (``_statickey``)
         # the scalar operands' types: a bool or numpy scalar (a strong 0-d array, which the
         # program's fast path does not take) gets a wrapper of its own, leaving the weakly typed
