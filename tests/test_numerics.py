@@ -179,6 +179,17 @@ def test_negative_zero_survives_every_boxing(hier, shape):
                 np.testing.assert_array_equal(np.signbit(y.numpy()), np.signbit(v), err_msg=f"{src}->{dst} {shape}")
 
 
+def test_bit_exact_boxing_keeps_its_one_collective():
+    """The 2-d (S(0), S(1)) -> (B, B) plan (zero-fill, then one all-reduce) runs on the values'
+    bits: still one all-reduce, and -0.0 comes back -0.0."""
+    plc = P2()
+    v = _signed_zeros((8, 4))
+    x = jsbp.tensor(v, placement=plc, sbp=("S(0)", "S(1)"))
+    counts = count_collectives(lambda t: t.to_global(sbp=("B", "B")), x)
+    assert counts["all-reduce"] == 1 and sum(counts.values()) == 1, counts
+    np.testing.assert_array_equal(np.signbit(x.to_global(sbp=("B", "B")).numpy()), np.signbit(v))
+
+
 @pytest.mark.parametrize("hier,shape", GRID)
 @pytest.mark.parametrize("red", ["max", "min"])
 def test_max_min_of_signed_zeros_over_a_split_dim(hier, shape, red):
