@@ -444,10 +444,10 @@ def _take(x, dim, table, mask, plc):
         idx = jnp.asarray(table, dtype=jnp.int32)[dev]
         m = None if mask is None else jnp.asarray(mask)[dev]
     out = jnp.take(x, idx, axis=dim, mode="clip")
-    if m is not None:
+    if m is not None:  # (only S -> P embeds: the fill is an addend, see ``sum_identity``)
         shape = [1] * out.ndim
         shape[dim] = out.shape[dim]
-        out = jnp.where(m.reshape(shape), out, jnp.zeros((), out.dtype))
+        out = jnp.where(m.reshape(shape), out, jnp.asarray(sum_identity(out.dtype), out.dtype))
     return out
 
 
@@ -584,6 +584,27 @@ def collective_dtype(dtype, partial: bool):
     return jnp.int32 if partial else jnp.uint8
 
 
+def sum_identity(dtype):
+    """The addend that changes no sum: ``-0.0`` for floating and complex types (``-0.0 + x`` is
+    ``x`` for every ``x``, ``-0.0`` included; ``+0.0`` would turn a ``-0.0`` into ``+0.0``), else 0.
+    What an addend that holds nothing is filled with (``B -> P``, ``S -> P``, a ``P`` tensor's
+    other addends), so that a value moved through a partial sum keeps every bit."""
+    return -0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0
+
+
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def sum_dtype(dtype):
+    """The dtype partial sums of ``dtype`` are reduced in (None: ``dtype`` itself). 16-bit floats
+    are summed in float32 and rounded once, as one device accumulates them: addends that cancel
+    (60000 + 60000 - 60000 - 60000 in float16) sum to 0, not ``inf``, and no sum is off by the
+    roundings of a pairwise tree."""
+    if not jnp.issubdtype(dtype, jnp.floating):  # (PRNG key dtypes are no numpy dtypes)
+        return None
+    return jnp.float32 if np.dtype(dtype) in _HALF else None
+
+
 def _extremum_all_reduce(x, axis_name, kind: str):
     """``pmax`` / ``pmin`` that propagate NaN as ``jnp.max`` / ``jnp.min`` do. XLA:CPU's max
     all-reduce drops NaN (a NaN on one device came back as the others' maximum), so floats travel
@@ -645,7 +666,7 @@ def _apply_move(x, mv: Move, before: Layout, after: Layout):
         if dst.reduce != "sum":
             return x
         first = _group_index(plc, mv.axes) == 0
-        return jnp.where(first, x, jnp.zeros((), x.dtype))
+        return jnp.where(first, x, jnp.asarray(sum_identity(x.dtype), x.dtype))
     if src.is_split and dst.is_partial:
         i = src.dim
         table, mask = _embed_table(after.valid_sizes(i), chunk, k, after.local_shape[i])
@@ -657,12 +678,51 @@ def run_plan(x, moves, src_layout: Layout):
     """Apply ``moves`` to local block ``x`` (no partial dim). Returns (x, final_layout)."""
     lay = src_layout
     empty = math.prod(lay.shape) == 0  # every block is empty: nothing to communicate
-    for mv in moves:
+    # 16-bit floats: float32 from the first collective that sums addends to the last (one
+    # rounding, see ``sum_dtype``); the collectives carry the same count of values as before
+    wide = None if empty else sum_dtype(x.dtype)
+    # a plan that makes a partial sum itself (S -> P or B -> P zero-fills, then one all-reduce:
+    # (S(0), S(1)) -> (B, B) on a 2-d placement) sums one value with zeros for every element: it
+    # runs on the values' bits, which an integer sum of them and zeros keeps exactly (a float
+    # all-reduce starts from +0.0: a -0.0 would come back +0.0)
+    bits = None
+    if not empty and not lay.partial_axes and _real_floating(x.dtype) and any(
+            mv.dst.is_partial and not mv.src.is_partial for mv in moves):
+        bits, wide = x.dtype, None
+        x = _to_bits(x)
+    summing = [i for i, mv in enumerate(moves) if mv.collective and mv.src.is_partial and mv.src.reduce == "sum"]
+    narrow = x.dtype
+    for i, mv in enumerate(moves):
+        if wide is not None and summing and i == summing[0]:
+            x = x.astype(wide)
         nd = tuple(mv.dst if a in mv.axes else s for a, s in enumerate(lay.nd_sbp))
         nxt = layout_of(lay.placement, nd, lay.shape)
         x = jnp.zeros(nxt.local_shape, x.dtype) if empty else _apply_move(x, mv, lay, nxt)
+        if wide is not None and summing and i == summing[-1]:
+            x = x.astype(narrow)
         lay = nxt
+    if bits is not None:
+        x = _from_bits(x, bits)
     return x, lay
+
+
+def _real_floating(dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating)) and np.dtype(dtype).itemsize in (1, 2, 4, 8)
+
+
+def _to_bits(x):
+    """A float block as unsigned integers holding its bits (at least 32 wide: collectives of
+    narrower integers are not on every backend)."""
+    size = np.dtype(x.dtype).itemsize
+    u = lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[size])
+    return u.astype(jnp.uint32) if size < 4 else u
+
+
+def _from_bits(u, dtype):
+    size = np.dtype(dtype).itemsize
+    if size < 4:
+        u = u.astype({1: jnp.uint8, 2: jnp.uint16}[size])
+    return lax.bitcast_convert_type(u, dtype)
 
 
 def make_local_boxer(src: Layout, dst: Layout, dtype):

@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from ._boxing import blocks_first, collective_axes, collective_dtype, gathered_to_dim
+from ._boxing import blocks_first, collective_axes, collective_dtype, gathered_to_dim, sum_dtype
 from ._program import iter_steps
 
 COMBINE_BUCKET_BYTES = 32 << 20
@@ -244,18 +244,24 @@ def _schedule(prog) -> list[tuple[str, int]]:
 
 def run_group(placement, members: list) -> list:
     """One combined collective: ``members`` is a list of (boxing, local value); the converted
-    values, in order."""
+    values, in order. Sums of 16-bit floats run in float32 and are rounded once."""
     mv = members[0][0].moves[0]
     axis, n = collective_axes(placement, mv.axes)
     wide = collective_dtype(members[0][1].dtype, mv.src.is_partial)  # one dtype per group
     if wide is not None:
         members = [(bx, x.astype(wide)) for bx, x in members]
+    narrow = members[0][1].dtype
+    half = sum_dtype(narrow) if mv.collective != "all-gather" else None  # 16-bit sums in float32
+    if half is not None:
+        members = [(bx, x.astype(half)) for bx, x in members]
     if mv.collective == "all-reduce":
         outs = _all_reduce_many([x for _, x in members], axis)
     elif mv.collective == "reduce-scatter":
         outs = _reduce_scatter_many([(x, bx.dst.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
     else:
         outs = _all_gather_many([(x, bx.src.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
+    if half is not None:
+        return [y.astype(narrow) for y in outs]
     return outs if wide is None else [y != 0 for y in outs]
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import os
-from collections.abc import Sequence
+import weakref
 from typing import Any
 
 import jax
@@ -24,12 +25,19 @@ from jax.interpreters import ad, batching, mlir
 from . import _sbp
 from ._compiler import Program, infer, run_program
 from ._errors import PlacementError, SbpError
-from ._interop import _context_mesh_set, lift_out_shardings, meshless, retype, trace_with_mesh
+from ._interop import (
+    _context_mesh_set,
+    lift_out_shardings,
+    meshless,
+    no_context_mesh,
+    retype,
+    trace_with_mesh,
+)
 from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
 from ._statickey import static_key
 from ._tensor import GlobalTensor
-from ._trace import tracing
+from ._trace import current_tracer, tracing
 
 __all__ = ["jit", "JitFunction", "to_global_p"]
 
@@ -122,11 +130,21 @@ def _keys_broadcast(out_nd, avals, placement):
     return [(_sbp.broadcast,) * placement.ndim if k else nd for k, nd in zip(keys, out_nd)]
 
 
+def _weak(x) -> bool:
+    """A Python scalar, or an array (or tracer) JAX marks weakly typed."""
+    return type(x) in (int, float, complex) or bool(getattr(getattr(x, "aval", x), "weak_type", False))
+
+
 def _leaf_type(x):
     try:
-        return (x.dtype, x.shape)
+        return (x.dtype, x.shape, _weak(x))
     except AttributeError:  # a Python scalar
         return type(x)
+
+
+def _scalar_tracer(x) -> bool:
+    """A Python scalar argument as ``jax.jit`` traces it: a weakly typed 0-d tracer."""
+    return isinstance(x, jax.core.Tracer) and x.ndim == 0 and _weak(x)
 
 
 def _put_plain(x, lay: Layout):
@@ -139,7 +157,7 @@ def _partial_squeeze(lays):
     return [bool(lay.partial_axes) for lay in lays]
 
 
-def _build_shard_map(placement, in_layouts, out_layouts, prog, in_dtypes):
+def _build_shard_map(placement, in_layouts, out_layouts, prog, in_dtypes, donated=None):
     """The jitted ``shard_map`` running ``prog`` on physical arrays. A zero-size input holds no
     data: it is made inside the body instead of passed in (XLA rejects a manual computation whose
     body folds an empty operand away: "expected at least one operand ... GlobalToLocalShape")."""
@@ -156,13 +174,15 @@ def _build_shard_map(placement, in_layouts, out_layouts, prog, in_dtypes):
         outs = run_program(prog, xs)
         return tuple(o[None] if s else o for o, s in zip(outs, sq_out))
 
+    donate = () if donated is None else tuple(
+        j for j, i in enumerate(i for i, keep in enumerate(passed) if keep) if donated[i])
     sm = meshless(jax.jit(jax.shard_map(  # runs whatever jax.set_mesh(...) is active
         body,
         mesh=placement.mesh,
         in_specs=tuple(l.spec for l, keep in zip(in_layouts, passed) if keep),
         out_specs=tuple(l.spec for l in out_layouts),
         check_vma=False,
-    )))
+    ), donate_argnums=donate))
     if all(passed):
         return sm
     return _DropEmpty(sm, passed)
@@ -225,9 +245,9 @@ def _trace(fn, treedef, static, in_layouts, in_dtypes, placement, weak=()):
     store = {}
 
     def flat_fn(*logical):
-        args = jax.tree_util.tree_unflatten(treedef, list(logical))
-        args = _merge_static(args, static)
-        out = fn(*args)
+        dyn = jax.tree_util.tree_unflatten(treedef, list(logical))
+        args, kwargs = _merge_static(dyn, static)
+        out = fn(*args, **kwargs)
         leaves, tree = jax.tree_util.tree_flatten(out, is_leaf=_is_global)
         if any(_is_global(x) for x in leaves):
             raise SbpError(
@@ -242,13 +262,50 @@ def _trace(fn, treedef, static, in_layouts, in_dtypes, placement, weak=()):
     return lift_out_shardings(closed), store["tree"], flat_fn
 
 
-def _merge_static(args, static):
-    if not static:
-        return tuple(args)
+def _merge_static(dyn, static):
+    """The call's ``(args, kwargs)`` from its dynamic part ``(args, kwargs)`` and its static part
+    ``((position, value), ...), ((name, value), ...)``; ``static=()``: ``dyn`` is the positional
+    arguments alone (``_auto`` traces so)."""
+    if static == ():
+        return tuple(dyn), {}
+    (args, kwargs), (pos, named) = dyn, static
     out = list(args)
-    for i, v in sorted(static):
+    for i, v in pos:  # ascending positions
         out.insert(i, v)
-    return tuple(out)
+    return tuple(out), {**kwargs, **dict(named)}
+
+
+def _signature(fn):
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none
+        return None
+
+
+def _argnums_and_names(fn, sig, nums, names, what: str):
+    """``jax.jit``'s reading of ``{what}_argnums`` / ``{what}_argnames``: where only one is given,
+    the other is completed from the signature's positional-or-keyword parameters."""
+    nums_given, names_given = nums is not None, names is not None
+    nums = () if nums is None else (nums,) if isinstance(nums, int) else tuple(nums)
+    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+    name = getattr(fn, "__name__", "fn")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
+        raise SbpError(f"jsbp.jit({name}): {what}_argnums must be ints, got {nums!r}.")
+    if not all(isinstance(k, str) for k in names):
+        raise SbpError(f"jsbp.jit({name}): {what}_argnames must be strings, got {names!r}.")
+    if sig is not None and nums_given != names_given:
+        pk = [(i, k) for i, (k, p) in enumerate(sig.parameters.items())
+              if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        if nums_given:
+            names = tuple(k for i, k in pk if i in nums)
+        else:
+            nums = tuple(i for i, k in pk if k in names)
+    return nums, names
+
+
+def _positions(nums, n: int) -> frozenset:
+    """Argument numbers (negative ones count from the end) among ``n`` positional arguments."""
+    return frozenset(i % n for i in nums if -n <= i < n)
 
 
 class _PlainArguments(Exception):
@@ -258,11 +315,19 @@ class _PlainArguments(Exception):
 class JitFunction:
     """A consistent-view function compiled by ``jsbp.jit``; call it with global tensors."""
 
-    def __init__(self, fn, *, out_sbp=None, static_argnums: int | Sequence[int] = (), strict: bool | None = None):
+    def __init__(self, fn, *, out_sbp=None, static_argnums=None, strict: bool | None = None,
+                 static_argnames=None, donate_argnums=None, donate_argnames=None):
         self.fn = fn
         self.out_sbp = out_sbp
         self.strict = _strict_default() if strict is None else bool(strict)
-        self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+        sig = _signature(fn)
+        self.static_argnums, self.static_argnames = _argnums_and_names(fn, sig, static_argnums, static_argnames, "static")
+        self.donate_argnums, self.donate_argnames = _argnums_and_names(fn, sig, donate_argnums, donate_argnames, "donate")
+        both = set(self.static_argnames) & set(self.donate_argnames)
+        if both or set(self.static_argnums) & set(self.donate_argnums):
+            raise SbpError(
+                f"jsbp.jit({getattr(fn, '__name__', 'fn')}): arguments {sorted(both) or sorted(set(self.static_argnums) & set(self.donate_argnums))} "
+                "are both static and donated; a static argument is no buffer to donate. Drop one of the two.")
         self._cache: dict = {}
         # dispatch cache: (structure of the arguments with global tensors as nodes, leaf types,
         # static args) -> (entry, the plain leaves and their layouts). A global tensor flattens to
@@ -272,16 +337,36 @@ class JitFunction:
         # are all global tensors is dispatched by JAX's C++ path (structure, layouts in the
         # treedef, avals, shardings) with no per-leaf Python of ours; see ``_traced_call``.
         # Static arguments keep the Python path (jax.jit would key them by ``==``: ``1 == 1.0``),
-        # and so does a call under a context mesh (the function is traced under it, see
-        # ``trace_with_mesh``; the program runs without it, see ``meshless``)
-        self._outer = None if self.static_argnums else jax.jit(self._traced_call)
+        # and so do donated ones (the program itself donates them, which a program called inside
+        # another jax.jit would not), and so does a call under a context mesh (the function is
+        # traced under it, see ``trace_with_mesh``; the program runs without it, see ``meshless``)
+        python_path = self.static_argnums or self.static_argnames or self.donate_argnums or self.donate_argnames
+        self._outer = None if python_path else jax.jit(_traced_call_of(weakref.ref(self)))
         functools.update_wrapper(self, fn)
 
     # -- argument handling -------------------------------------------------------------------
-    def _split(self, args):
-        static = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
-        dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-        return dyn, static
+    def _split(self, args, kwargs):
+        """``(dyn, static, spos)``: the dynamic ``(args, kwargs)``, the static
+        ``((position, value), ...), ((name, value), ...)`` and the static positions."""
+        spos = _positions(self.static_argnums, len(args)) if self.static_argnums else frozenset()
+        snames = self.static_argnames
+        static = (tuple((i, args[i]) for i in sorted(spos)),
+                  tuple((k, kwargs[k]) for k in sorted(kwargs) if k in snames))
+        dyn = (tuple(a for i, a in enumerate(args) if i not in spos),
+               {k: v for k, v in kwargs.items() if k not in snames} if snames else dict(kwargs))
+        return dyn, static, spos
+
+    def _donated(self, args, kwargs, dyn, spos):
+        """Per leaf of ``dyn`` (global tensors as leaves), whether its buffer is donated."""
+        if not (self.donate_argnums or self.donate_argnames):
+            return None
+        dpos = {i for i in self.donate_argnums if 0 <= i < len(args)}  # jax.jit: negative ones donate nothing
+        flags = (tuple(i in dpos for i in range(len(args)) if i not in spos),
+                 {k: k in self.donate_argnames for k in dyn[1]})
+        per = jax.tree_util.tree_map(
+            lambda f, sub: jax.tree_util.tree_map(lambda _: f, sub, is_leaf=_is_global), flags, dyn,
+            is_leaf=lambda x: isinstance(x, bool))
+        return tuple(jax.tree_util.tree_leaves(per))
 
     @staticmethod
     def _static_key(static):
@@ -291,8 +376,9 @@ class JitFunction:
         except TypeError:
             raise SbpError(f"jsbp.jit: static arguments must be hashable, got {static!r}.") from None
 
-    def _prepare(self, args):
-        dyn, static = self._split(args)
+    def _prepare(self, args, kwargs):
+        dyn, static, spos = self._split(args, kwargs)
+        donated = self._donated(args, kwargs, dyn, spos)
         leaves, treedef = jax.tree_util.tree_flatten(dyn, is_leaf=_is_global)
         placement = None
         for x in leaves:
@@ -322,9 +408,9 @@ class JitFunction:
                 phys.append(_put_plain(arr, lay))
                 lays.append(lay)
                 dtypes.append(_dtype(arr.dtype))
-                weak.append(type(x) in (int, float, complex))
+                weak.append(_weak(x))
                 plain.append((i, lay))
-        key = (treedef, tuple(lays), tuple(dtypes), tuple(weak), self._static_key(static))
+        key = (treedef, tuple(lays), tuple(dtypes), tuple(weak), self._static_key(static), donated)
         return key, placement, treedef, static, lays, dtypes, phys, plain
 
     def _entry(self, key, placement, treedef, static, lays, dtypes) -> _Entry:
@@ -336,7 +422,7 @@ class JitFunction:
             out_nd = _out_nd_list(out_sbp, len(out_avals), placement, [a.shape for a in out_avals])
             out_nd = _keys_broadcast(out_nd, out_avals, placement)
             prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd, strict=self.strict)
-            fn = _build_shard_map(placement, lays, prog.out_layouts, prog, dtypes)
+            fn = _build_shard_map(placement, lays, prog.out_layouts, prog, dtypes, donated=key[5])
             out_struct = jax.tree_util.tree_structure(
                 jax.tree_util.tree_unflatten(out_tree, [GlobalTensor(0, lay) for lay in prog.out_layouts]))
             entry = _Entry(placement, lays, dtypes, prog, out_tree, prog.out_layouts,
@@ -344,9 +430,10 @@ class JitFunction:
             self._cache[key] = entry
         return entry
 
-    def _lookup(self, args) -> tuple[_Entry, list]:
+    def _lookup(self, args, kwargs=None) -> tuple[_Entry, list]:
         """The compiled entry for these arguments and the physical arrays to call it with."""
-        dyn, static = self._split(args)
+        kwargs = {} if kwargs is None else kwargs
+        dyn, static, _ = self._split(args, kwargs)
         leaves, structure = jax.tree_util.tree_flatten(dyn)
         try:
             fast_key = (structure, tuple(map(_leaf_type, leaves)), static_key(static))
@@ -358,61 +445,113 @@ class JitFunction:
             for i, lay in plain:
                 leaves[i] = _put_plain(leaves[i], lay)
             return entry, leaves
-        key, placement, treedef, static, lays, dtypes, phys, plain = self._prepare(args)
+        key, placement, treedef, static, lays, dtypes, phys, plain = self._prepare(args, kwargs)
         entry = self._entry(key, placement, treedef, static, lays, dtypes)
         if fast_key is not None:
             self._fast[fast_key] = (entry, plain)
         return entry, phys
 
-    def lower_program(self, *args) -> _Entry:
-        return self._lookup(args)[0]
+    def _find(self, args, kwargs):
+        """``_lookup``; its one-argument form where the call has no keyword arguments."""
+        return self._lookup(args, kwargs) if kwargs else self._lookup(args)
 
-    def __call__(self, *args):
+    def lower_program(self, *args, **kwargs) -> _Entry:
+        return self._find(args, kwargs)[0]
+
+    def __call__(self, *args, **kwargs):
+        tracer = current_tracer()
+        if tracer is not None and not any(
+                _is_global(x) for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_global)):
+            return self._inline(tracer, args, kwargs)  # called by a function jsbp.jit is tracing
         if self._outer is not None and not _context_mesh_set():
             try:
-                return self._outer(*args)
-            except _PlainArguments:  # this function is called with plain arrays or scalars
+                return self._outer(*args, **kwargs)
+            except _PlainArguments:  # this function is called with plain arrays
                 self._outer = None
-        entry, phys = self._lookup(args)
+            except ValueError as e:  # a 0-d weak array committed to other devices
+                if "incompatible devices" not in str(e):
+                    raise
+                self._outer = None
+        entry, phys = self._find(args, kwargs)
         if any(isinstance(p, jax.core.Tracer) for p in phys):
             outs = _differentiable(entry)(*phys)
         else:
             outs = entry.fn(*phys)
         return jax.tree_util.tree_unflatten(entry.out_struct, outs)
 
-    def _traced_call(self, *args):
+    def _inline(self, hook, args, kwargs):
+        """Inside another ``jsbp.jit`` function's trace the values are logical arrays: the call
+        is part of that program (planned with it), its ``out_sbp`` a layout annotation."""
+        out = self.fn(*args, **kwargs)
+        if self.out_sbp is None:
+            return out
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        out_sbp = self.out_sbp(tree) if callable(self.out_sbp) else self.out_sbp
+        nds = _out_nd_list(out_sbp, len(leaves), hook.placement, [tuple(jnp.shape(x)) for x in leaves])
+        if nds is None:
+            return out
+        leaves = [x if nd is None else hook.annotate(x, sbp=nd) for x, nd in zip(leaves, nds)]
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    def _traced_call(self, *args, **kwargs):
         """The body of ``_outer``: traced once per structure, layouts and avals of the arguments
         (jax.jit's cache), it finds or builds the entry as the Python path does and calls its
         program, differentiable with jsbp's own backward program (under ``jax.grad`` of the call
         as on the Python path; without a transformation the custom rule costs nothing).
 
-        Only for arguments that are all global tensors: a plain array or Python scalar is put on
-        the placement by the Python path (``_put_plain``: a committed single-device array, and a
-        scalar's weak type, are handled there), so one raises ``_PlainArguments`` and the function
-        keeps the Python path from then on."""
-        if not all(_is_global(x) for x in jax.tree_util.tree_leaves(args, is_leaf=_is_global)):
+        Only for arguments that are all global tensors or Python scalars (weakly typed 0-d
+        tracers here): another plain array is put on the placement by the Python path
+        (``_put_plain``: a committed single-device array is handled there), so one raises
+        ``_PlainArguments`` and the function keeps the Python path from then on."""
+        if not all(_is_global(x) or _scalar_tracer(x)
+                   for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_global)):
             raise _PlainArguments
-        entry, phys = self._lookup(args)
+        entry, phys = self._find(args, kwargs)
         return jax.tree_util.tree_unflatten(entry.out_struct, _differentiable(entry)(*phys))
 
-    def lower(self, *args):
-        """``jax.jit``-style lowering (used by ``jsbp.debug.count_collectives``)."""
-        entry, phys = self._lookup(args)
+    def lower(self, *args, **kwargs):
+        """``jax.jit``-style lowering of the compiled program (used by
+        ``jsbp.debug.count_collectives``): the ``shard_map`` over the arguments' physical arrays."""
+        entry, phys = self._find(args, kwargs)
         return entry.fn.lower(*phys)
+
+    def trace(self, *args, **kwargs):
+        """``jax.jit``-style tracing of the compiled program: a ``jax.stages.Traced`` of the
+        ``shard_map`` over the arguments' physical arrays (its ``.jaxpr``, ``.lower()``)."""
+        entry, phys = self._find(args, kwargs)
+        fn = entry.fn
+        if isinstance(fn, _DropEmpty):
+            phys, fn = fn._keep(phys), fn.fn
+        with no_context_mesh():
+            return fn.fn.trace(*phys)
+
+
+def _traced_call_of(ref):
+    """``JitFunction._traced_call`` of the function ``ref`` refers to, for its ``jax.jit``: a weak
+    reference, so that the function and what it captured go with the last reference to it (a
+    bound method would make a cycle that only a garbage collection pass breaks, and JAX's caches
+    of the traced program would keep the captured arrays until then)."""
+
+    def traced_call(*args, **kwargs):
+        return ref()._traced_call(*args, **kwargs)
+
+    return traced_call
 
 
 def _differentiable(entry: _Entry):
     if entry._diff is not None:
         return entry._diff
+    fn, ref = entry.fn, weakref.ref(entry)  # no cycle entry -> run -> entry (see _traced_call_of)
 
     @jax.custom_vjp
     def run(*phys):
-        return entry.fn(*phys)
+        return fn(*phys)
 
     def fwd(*phys):
-        return entry.fn(*phys), phys
+        return fn(*phys), phys
 
     def bwd(phys, cts):
+        entry = ref()
         bwd_fn, diff_idx = _backward(entry)
         cts = [  # the backward program reads the cotangents of inexact outputs only (keys: float0)
             c if not (hasattr(c, "dtype") and c.dtype == jax.dtypes.float0) else jnp.zeros(l.physical_shape, d)
@@ -476,7 +615,8 @@ def _strict_default() -> bool:
     return os.environ.get("JSBP_STRICT", "") not in ("", "0")
 
 
-def jit(fn=None, *, out_sbp=None, static_argnums: int | Sequence[int] = (), strict: bool | None = None):
+def jit(fn=None, *, out_sbp=None, static_argnums=None, strict: bool | None = None, static_argnames=None,
+        donate_argnums=None, donate_argnames=None):
     """Compile a consistent-view function of global tensors into one ``shard_map`` program.
 
     Global tensor arguments arrive in ``fn`` as logical ``jax.Array`` s; plain arrays and scalars
@@ -492,7 +632,35 @@ def jit(fn=None, *, out_sbp=None, static_argnums: int | Sequence[int] = (), stri
     A primitive with no SBP rule runs replicated (operands gathered to B, computed on every
     device) with a ``jsbp.NoRuleWarning``; ``strict=True`` (or ``JSBP_STRICT=1``) makes it an
     ``SbpError`` naming the primitive instead.
+
+    The arguments of ``jax.jit`` have its meaning: ``static_argnums`` (negative ones count from
+    the end of the call's positional arguments) and ``static_argnames`` (each completed from the
+    other through ``fn``'s signature), ``donate_argnums`` / ``donate_argnames`` (the donated
+    global tensors' buffers are given to the program and deleted, as ``jax.jit`` deletes donated
+    arrays), keyword arguments at call time (dynamic unless named static), a ``jsbp.jit``
+    function called inside another (it becomes part of the caller's program: planned with it, its
+    ``out_sbp`` a layout annotation there) and recursion through static arguments.
+
+    What differs from ``jax.jit``:
+
+    * at least one argument is a global tensor (it gives the placement), except when called
+      inside another ``jsbp.jit`` function;
+    * static arguments are keyed by type and value (``1``, ``1.0``, ``True`` and ``-0.0`` are four
+      programs), where ``jax.jit`` keys them by ``==`` and ``hash``;
+    * plain (non-global) arrays among the arguments are broadcast copies on the placement:
+      donating one donates the copy, not the caller's array;
+    * ``.lower(...)`` and ``.trace(...)`` take the same arguments and give the lowering / trace of
+      the compiled ``shard_map`` program, whose arguments are the global tensors' *physical*
+      arrays (padded blocks, partial addends): its ``compile()`` runs on those arrays, not on
+      global tensors;
+    * as in ``jax.jit`` (0.10), a negative ``donate_argnums`` donates nothing;
+    * ``jsbp.jit`` has no ``in_shardings`` / ``out_shardings``: layouts come from the arguments
+      and ``out_sbp`` (or ``jax.sharding.reshard`` / ``to_global`` inside the function).
     """
     if fn is None:
-        return functools.partial(jit, out_sbp=out_sbp, static_argnums=static_argnums, strict=strict)
-    return JitFunction(fn, out_sbp=out_sbp, static_argnums=static_argnums, strict=strict)
+        return functools.partial(jit, out_sbp=out_sbp, static_argnums=static_argnums, strict=strict,
+                                 static_argnames=static_argnames, donate_argnums=donate_argnums,
+                                 donate_argnames=donate_argnames)
+    return JitFunction(fn, out_sbp=out_sbp, static_argnums=static_argnums, strict=strict,
+                       static_argnames=static_argnames, donate_argnums=donate_argnums,
+                       donate_argnames=donate_argnames)

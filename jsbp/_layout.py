@@ -234,8 +234,37 @@ class Layout:
         kind = self.partial_kind
         if kind is None:
             return addends[0]
-        red = {"sum": np.sum, "max": np.max, "min": np.min}[kind]
-        return np.asarray(red(addends, axis=0)).astype(phys.dtype)  # an array even for 0-d
+        if kind == "sum":
+            return np.asarray(np.sum(addends.astype(_sum_dtype(addends.dtype)), axis=0)).astype(phys.dtype)
+        return np.asarray(_extremum(addends, kind)).astype(phys.dtype)  # an array even for 0-d
+
+
+def _floating(dtype) -> bool:
+    import jax.numpy as jnp  # numpy does not know bfloat16 as floating
+
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _sum_dtype(dtype):
+    """What the addends of a partial sum of ``dtype`` are summed in: float32 for 16-bit floats
+    (one device accumulates them in float32 and rounds once; ``_boxing.sum_dtype``)."""
+    return np.float32 if _floating(dtype) and np.dtype(dtype).itemsize == 2 else dtype
+
+
+def _extremum(addends: np.ndarray, kind: str) -> np.ndarray:
+    """max / min over dim 0 in IEEE total order (``-0.0 < 0.0``; NaN wins), as the devices'
+    ``Pmax`` / ``Pmin`` reduction (``_boxing._extremum_all_reduce``) and one device's ``jnp.max`` /
+    ``jnp.min`` answer: numpy's own max / min of a ``-0.0`` and a ``0.0`` returns either."""
+    red = np.max if kind == "max" else np.min
+    if not _floating(addends.dtype) or addends.dtype.itemsize not in (2, 4, 8):
+        return red(addends, axis=0)
+    itype = {2: np.int16, 4: np.int32, 8: np.int64}[addends.dtype.itemsize]
+    info = np.iinfo(itype)
+    i = addends.view(itype)
+    key = i ^ ((i >> (info.bits - 1)) & info.max)
+    key = np.where(np.isnan(addends), info.max if kind == "max" else info.min, key).astype(itype)
+    out = np.asarray(red(key, axis=0))
+    return (out ^ ((out >> (info.bits - 1)) & info.max)).astype(itype).view(addends.dtype)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -24,12 +24,53 @@ def _is_dynamic(x):
     return isinstance(x, (GlobalTensor, jax.Array, np.ndarray))
 
 
+# functions whose positional arguments are all array operands: a Python scalar among them is a
+# weakly typed traced operand (as ``jnp`` makes it), not part of the program, so ``x * lr`` with a
+# new ``lr`` every step runs one compiled program (``jnp.ufunc`` instances count too)
+_OPERAND_FNS = {
+    jnp.add, jnp.subtract, jnp.multiply, jnp.true_divide, jnp.divide, jnp.floor_divide, jnp.mod,
+    jnp.remainder, jnp.power, jnp.float_power, jnp.bitwise_and, jnp.bitwise_or, jnp.bitwise_xor,
+    jnp.less, jnp.less_equal, jnp.greater, jnp.greater_equal, jnp.equal, jnp.not_equal,
+    jnp.maximum, jnp.minimum, jnp.fmax, jnp.fmin, jnp.fmod, jnp.arctan2, jnp.hypot, jnp.copysign,
+    jnp.logaddexp, jnp.clip, jnp.where,
+}
+_SCALARS = (bool, int, float, complex)
+
+
+def _int_fits(v: int) -> bool:
+    """A Python int operand is traced as JAX's default int (weakly typed, as ``jnp``'s jitted
+    functions take it: ``uint8 + 300`` wraps there too) where it fits one; a bigger one stays
+    part of the program, where ``jnp`` raises its overflow error."""
+    info = np.iinfo(np.int64 if jax.config.jax_enable_x64 else np.int32)
+    return info.min <= v <= info.max
+
+
+def _scalar_operand(fn, i, a) -> bool:
+    """Whether argument ``i`` (``a``) of a call of ``fn`` is a scalar that runs as a traced operand."""
+    t = type(a)
+    if t not in _SCALARS and not (isinstance(a, np.generic) and (isinstance(a, np.number) or t is np.bool_)):
+        return False
+    if not (fn in _OPERAND_FNS or isinstance(fn, jnp.ufunc)):
+        return False
+    if fn is jnp.power and i == 1 and (t is int or t is bool or isinstance(a, np.integer)):
+        return False  # ``x ** 2`` is ``lax.integer_pow`` for a concrete integer, as on a jax.Array
+    return t is not int or _int_fits(a)
+
+
 def eager(fn, *args, **kwargs):
-    """Run ``fn(*args, **kwargs)`` (a jax.numpy-level function) on global tensors, consistently."""
-    dyn_pos = tuple(i for i, a in enumerate(args) if _is_dynamic(a))
+    """Run ``fn(*args, **kwargs)`` (a jax.numpy-level function) on global tensors, consistently.
+
+    Arrays and the scalar operands of elementwise functions (``_scalar_operand``) are the
+    program's arguments; the other arguments are part of the program and key its cache by type
+    and value (``_statickey``). The program's own cache keys its arguments by types and layouts:
+    ``x * 0.1`` and ``x * 0.2`` run one compiled program."""
+    dyn_pos = tuple(i for i, a in enumerate(args) if _is_dynamic(a) or _scalar_operand(fn, i, a))
     try:  # typed keys: 1, 1.0, True and -0.0 are different programs (``_statickey``)
+        # the scalar operands' types: a bool or numpy scalar (a strong 0-d array, which the
+        # program's fast path does not take) gets a wrapper of its own, leaving the weakly typed
+        # Python numbers' on it
         key = (fn, dyn_pos, static_key(tuple(a for i, a in enumerate(args) if i not in dyn_pos)),
-               static_key(kwargs))
+               static_key(kwargs), tuple(type(args[i]) for i in dyn_pos if not _is_dynamic(args[i])))
         jf = _CACHE.get(key)
     except TypeError:  # unhashable static argument: no caching of the wrapper
         jf, key = None, None

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _hooks, _sbp, _trace
-from ._boxing import make_local_boxer
+from ._boxing import make_local_boxer, sum_dtype
 from ._errors import PlacementError, SbpError
 from ._interop import meshless, portable_key
 from ._layout import Layout, balanced, layout_of, normalise_nd, offsets
 from ._placement import placement as Placement
+from ._statickey import static_key
 
 __all__ = [
     "GlobalTensor",
@@ -235,6 +236,33 @@ class GlobalTensor:
         out = self.numpy()
         return out.astype(dtype) if dtype is not None else out
 
+    def __format__(self, spec: str) -> str:
+        """As a ``jax.Array``: a 0-d tensor formats as its value (``f"{loss:.4f}"``); a non-empty
+        spec on another shape is numpy's (which refuses most); no spec is ``str(x)``."""
+        if not spec:
+            return str(self)
+        value = self._item("format") if self.ndim == 0 else self.numpy()
+        return format(value, spec)
+
+    def __reduce__(self):
+        """Pickles as its logical value, placement and nd-sbp (a ``jax.Array`` pickles as its
+        value); unpickling lays the value out again on the same placement (a ``P`` tensor as its
+        sum in one addend). For a tensor spread over several processes, or a PRNG key array,
+        use ``jsbp.checkpoint``."""
+        lay = self._layout
+        if isinstance(self._value, jax.core.Tracer):
+            raise SbpError(
+                f"cannot pickle the global tensor of {lay.describe()}: it is a tracer here (inside jax.jit / "
+                "jax.grad / jsbp.jit). Pickle concrete tensors, or save them with jsbp.checkpoint.save."
+            )
+        if is_key_dtype(self.dtype) or not self._value.is_fully_addressable:
+            what = "a PRNG key array" if is_key_dtype(self.dtype) else "spread over several processes"
+            raise SbpError(
+                f"cannot pickle the global tensor of {lay.describe()}: it is {what}. Use "
+                "jsbp.checkpoint.save(path, tree) / jsbp.checkpoint.load(path, ...) instead."
+            )
+        return (_unpickle, (self.numpy(), lay.placement, lay.nd_sbp))
+
     def __len__(self):
         if not self.shape:
             raise TypeError("len() of a 0-d global tensor")
@@ -284,6 +312,10 @@ class GlobalTensor:
                 f"only integer global tensors can be used as an index; this one is {np.dtype(self.dtype).name}."
             )
         return int(self._item("index"))
+
+
+def _unpickle(value, placement, nd_sbp) -> GlobalTensor:
+    return tensor(value, placement=placement, sbp=nd_sbp)
 
 
 def _check_global(x, op: str) -> GlobalTensor:
@@ -348,8 +380,10 @@ def _encode_raw(value, lay: Layout):
 def _decode_raw(phys, lay: Layout):
     x = phys
     if lay.partial_axes:
-        red = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[lay.partial_kind]
-        x = red(x, axis=0)
+        if lay.partial_kind == "sum":  # 16-bit floats: summed in float32, rounded once
+            x = jnp.sum(x, axis=0, dtype=sum_dtype(x.dtype)).astype(x.dtype)
+        else:
+            x = (jnp.max if lay.partial_kind == "max" else jnp.min)(x, axis=0)
     for d in range(len(lay.shape)):
         if lay.ways(d) > 1 and lay.shape[d] % lay.ways(d) != 0:
             idx, valid = _dim_index_table(lay, d)
@@ -710,6 +744,15 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
             np_arr = np.asarray(data)
         except OverflowError as e:
             raise SbpError(f"tensor: cannot make a tensor from {type(data).__name__} {data!r}: {e}.") from None
+        except ValueError:
+            ragged = _ragged_at(data)
+            if ragged is None:
+                raise
+            raise SbpError(
+                f"tensor: the argument data is a ragged nested {type(data).__name__}: {ragged}, so it has no "
+                "rectangular shape. Give data as a nested list whose rows at each depth have one length "
+                "(or a numpy / jax array), e.g. [[1, 2], [3, 4]]."
+            ) from None
         if np_arr.dtype == object:
             big = [v for v in np.ravel(np.asarray(data, dtype=object)) if isinstance(v, int) and abs(v) >= 2**63]
             why = f" ({big[0]} does not fit a 64-bit integer)" if big else ""
@@ -730,6 +773,28 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
     return _from_logical(arr, lay)
 
 
+def _ragged_at(data, path="data"):
+    """Where a nested list stops being rectangular, in words (None where it does not)."""
+    if not isinstance(data, (list, tuple)):
+        return None
+    seqs = [isinstance(x, (list, tuple, np.ndarray)) for x in data]
+    if any(seqs) and not all(seqs):
+        i, j = seqs.index(True), seqs.index(False)
+        return f"{path}[{i}] is a sequence but {path}[{j}] is a scalar"
+    if not any(seqs):
+        return None
+    shapes = [np.shape(x) if isinstance(x, np.ndarray) else (len(x),) for x in data]
+    if len({s[0] for s in shapes}) > 1:
+        lens = [s[0] for s in shapes]
+        j = next(k for k, n in enumerate(lens) if n != lens[0])
+        return f"{path}[0] has length {lens[0]} but {path}[{j}] has length {lens[j]}"
+    for i, x in enumerate(data):
+        found = _ragged_at(x, f"{path}[{i}]") if not isinstance(x, np.ndarray) else None
+        if found is not None:
+            return found
+    return None
+
+
 def _from_named(arr: jax.Array, placement, sbp, dtype) -> GlobalTensor:
     """``jsbp.tensor(arr)`` of a ``jax.Array`` with a ``NamedSharding``: placement and nd-sbp read
     from the sharding (``unreduced`` is P), built from its shards on the devices (the same buffers
@@ -746,7 +811,8 @@ def _from_named(arr: jax.Array, placement, sbp, dtype) -> GlobalTensor:
 
 
 @functools.lru_cache(maxsize=1024)
-def _filled(lay: Layout, dtype, fill):
+def _filled(lay: Layout, dtype, fill, key):
+    """``key``: the fill's ``static_key`` (``0.0 == -0.0`` and ``1 == True`` hash alike)."""
     def make():
         return _encode_raw(jnp.full(lay.shape, fill, dtype), lay)
 
@@ -764,21 +830,24 @@ def full(shape, value, placement=None, sbp=None, *, dtype=None) -> GlobalTensor:
             f"full: the fill value must be a number or a 0-d numeric array, got {value!r} "
             f"({type(value).__name__}); e.g. jsbp.full((2, 3), 1.5, placement=..., sbp=...)."
         )
-    if dtype is None:  # like jnp.full: the value's own dtype, Python floats as float32
-        dtype = value.dtype if hasattr(value, "dtype") else np.float32 if isinstance(value, float) else np.result_type(type(value))
+    if dtype is None:  # like jnp.full: the value's own dtype, Python scalars as jnp's defaults
+        dtype = value.dtype if hasattr(value, "dtype") else jnp.result_type(value)  # (x64: float64, int64)
     dt = _canonical_dtype(dtype)
     _check_fits(lay, dt, "full")
     if math.prod(shape) == 0:
         return GlobalTensor(_empty(lay, dt), lay)
-    return GlobalTensor(_filled(lay, dt, value.item() if hasattr(value, "item") else value)(), lay)
+    fill = value.item() if hasattr(value, "item") else value
+    return GlobalTensor(_filled(lay, dt, fill, static_key(fill))(), lay)
 
 
-def zeros(*shape, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
-    return full(_shape_args(shape, "zeros"), 0, placement, sbp, dtype=dtype)
+def zeros(*shape, placement=None, sbp=None, dtype=None) -> GlobalTensor:
+    """``jnp.zeros``: float32 by default (float64 under ``jax_enable_x64``)."""
+    return full(_shape_args(shape, "zeros"), 0.0, placement, sbp, dtype=dtype)
 
 
-def ones(*shape, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
-    return full(_shape_args(shape, "ones"), 1, placement, sbp, dtype=dtype)
+def ones(*shape, placement=None, sbp=None, dtype=None) -> GlobalTensor:
+    """``jnp.ones``: float32 by default (float64 under ``jax_enable_x64``)."""
+    return full(_shape_args(shape, "ones"), 1.0, placement, sbp, dtype=dtype)
 
 
 def arange(*args, placement=None, sbp=None, dtype=None) -> GlobalTensor:
