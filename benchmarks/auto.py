@@ -50,13 +50,24 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated subset of " + ",".join(SHAPES))
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--budget-quarter", action="store_true",
-                    help="also run auto with a budget of (parameters + optimizer state) / 4")
-    ap.add_argument("--budget-frac", type=float, default=0.0,
-                    help="also run auto with a budget of this fraction of the unbudgeted choice's predicted peak")
+    ap.add_argument(
+        "--budget-quarter",
+        action="store_true",
+        help="also run auto with a budget of (parameters + optimizer state) / 4",
+    )
+    ap.add_argument(
+        "--budget-frac",
+        type=float,
+        default=0.0,
+        help="also run auto with a budget of this fraction of the unbudgeted choice's predicted peak",
+    )
     ap.add_argument("--json", default="", help="also write the results here")
-    ap.add_argument("--fit", default="", help="fit the CostModel rates to the hand-picked rows of this "
-                    "--json file (no timing) and print them")
+    ap.add_argument(
+        "--fit",
+        default="",
+        help="fit the CostModel rates to the hand-picked rows of this "
+        "--json file (no timing) and print them",
+    )
     args = ap.parse_args(argv)
     if args.fit:
         print(fit(json.loads(pathlib.Path(args.fit).read_text())))
@@ -104,8 +115,10 @@ def fit(results) -> str:
     def inv(c):
         return f"{1 / c:.3g}" if c > 0 else "inf"
 
-    return (f"CostModel(link_bandwidth={inv(coef[0])}, latency={coef[1]:.3g}, flop_rate={inv(coef[2])}, "
-            f"mem_bandwidth={inv(coef[3])})  # mean relative error {err:.2f} over {len(y)} rows")
+    return (
+        f"CostModel(link_bandwidth={inv(coef[0])}, latency={coef[1]:.3g}, flop_rate={inv(coef[2])}, "
+        f"mem_bandwidth={inv(coef[3])})  # mean relative error {err:.2f} over {len(y)} rows"
+    )
 
 
 def _prepare(tg, cfg, strategy, host_batch):
@@ -117,7 +130,10 @@ def _prepare(tg, cfg, strategy, host_batch):
 
     model, opt = jflax.shard(tg.init(cfg, 0), strategy)
     state_bytes = max(jflax.local_nbytes((model, opt)))
-    layouts = (tuple(strategy.placement.hierarchy), tuple(sorted(jflax.layouts((model, opt)).items())))
+    layouts = (
+        tuple(strategy.placement.hierarchy),
+        tuple(sorted(jflax.layouts((model, opt)).items())),
+    )
     step = jflax.make_train_step(tg.loss_fn, strategy)
     graphdef, state = nnx.split((model, opt))
     batch = step.put_batch(host_batch)
@@ -155,21 +171,30 @@ def bench_shape(tg, cfg, corpus, args):
     plc = jsbp.placement("cpu", np.arange(8))
     model, opt = tg.init(cfg, 0)
     t = time.perf_counter()
-    auto = jflax.Strategy.auto(plc, model=model, optimizer=opt, loss_fn=tg.loss_fn, batch=host_batch)
-    auto_info = {"seconds": time.perf_counter() - t, "chosen": auto.report.chosen.name,
-                 "candidates": len(auto.report.candidates), "report": str(auto.report)}
+    auto = jflax.Strategy.auto(
+        plc, model=model, optimizer=opt, loss_fn=tg.loss_fn, batch=host_batch
+    )
+    auto_info = {
+        "seconds": time.perf_counter() - t,
+        "chosen": auto.report.chosen.name,
+        "candidates": len(auto.report.candidates),
+        "report": str(auto.report),
+    }
     print(auto.report, file=sys.stderr, flush=True)
     strategies["auto"] = auto
     budgets = {}
     if args.budget_quarter:
-        budgets["auto_quarter"] = sum(int(np.prod(np.shape(v))) * 4 for v in jax_leaves((model, opt))) // 4
+        budgets["auto_quarter"] = (
+            sum(int(np.prod(np.shape(v))) * 4 for v in jax_leaves((model, opt))) // 4
+        )
     if args.budget_frac:
         budgets["auto_budget"] = int(args.budget_frac * auto.report.chosen.estimate.peak_bytes)
     auto_info["budgets"] = {}
     for name, budget in budgets.items():
         try:
-            s = jflax.Strategy.auto(plc, budget, model=model, optimizer=opt, loss_fn=tg.loss_fn,
-                                    batch=host_batch)
+            s = jflax.Strategy.auto(
+                plc, budget, model=model, optimizer=opt, loss_fn=tg.loss_fn, batch=host_batch
+            )
         except jsbp.SbpError as e:
             auto_info["budgets"][name] = (budget, f"none fits: {e}")
             print(e, file=sys.stderr, flush=True)
@@ -183,30 +208,39 @@ def bench_shape(tg, cfg, corpus, args):
             raise SystemExit(f"{n}: losses {p[-1]} differ from one device's {ref} beyond 1e-5")
     names = list(prepared)
     fns = [prepared[n][0] for n in names]
-    ms, _ = interleaved_medians(fns, [prepared[n][1] for n in names], [prepared[n][2] for n in names],
-                                args.steps, args.warmup)
+    ms, _ = interleaved_medians(
+        fns,
+        [prepared[n][1] for n in names],
+        [prepared[n][2] for n in names],
+        args.steps,
+        args.warmup,
+    )
     rows = []
     for n, t_ms in zip(names, ms):
         _, state, batch, est, mem, state_bytes, layouts, _ = prepared[n]
         s = strategies[n]
         # hand-picked strategies storing the same layouts (ZeRO-1 and -2 do: the gradients
         # differ), the one with auto's ZeRO level first
-        same = sorted((h for h in HAND if h != n and prepared[h][6] == layouts),
-                      key=lambda h: getattr(strategies[h], "zero", 0) != getattr(s, "zero", 0))
-        rows.append({
-            "name": n,
-            "strategy": s.report.chosen.name if s.report is not None else _hand_name(n),
-            "ms": t_ms,
-            "predicted_ms": est.seconds * 1e3,
-            "collectives": est.collectives,
-            "comm_bytes": est.comm_bytes,
-            "flops": est.flops,
-            "traffic": est.traffic,
-            "predicted_peak": est.peak_bytes,
-            "measured_peak": mem.get("in_place"),
-            "state_bytes": state_bytes,
-            "same_as": same[0] if same and n not in HAND else "",
-        })
+        same = sorted(
+            (h for h in HAND if h != n and prepared[h][6] == layouts),
+            key=lambda h: getattr(strategies[h], "zero", 0) != getattr(s, "zero", 0),
+        )
+        rows.append(
+            {
+                "name": n,
+                "strategy": s.report.chosen.name if s.report is not None else _hand_name(n),
+                "ms": t_ms,
+                "predicted_ms": est.seconds * 1e3,
+                "collectives": est.collectives,
+                "comm_bytes": est.comm_bytes,
+                "flops": est.flops,
+                "traffic": est.traffic,
+                "predicted_peak": est.peak_bytes,
+                "measured_peak": mem.get("in_place"),
+                "state_bytes": state_bytes,
+                "same_as": same[0] if same and n not in HAND else "",
+            }
+        )
     return rows, auto_info
 
 
@@ -230,8 +264,10 @@ def table(name, cfg, rows, auto_info) -> str:
         "",
         f"auto chose **{auto_info['chosen']}** ({auto_info['candidates']} candidates planned in "
         f"{auto_info['seconds']:.1f} s)"
-        + "".join(f"; {n} (budget {fmt_bytes(b)} per device): **{c}**"
-                  for n, (b, c) in auto_info["budgets"].items()),
+        + "".join(
+            f"; {n} (budget {fmt_bytes(b)} per device): **{c}**"
+            for n, (b, c) in auto_info["budgets"].items()
+        ),
         "",
         "| strategy | step (ms, median) | vs best hand-picked | predicted (ms) | collectives (plan) | "
         "predicted peak / device | XLA in-place peak / device | state / device |",

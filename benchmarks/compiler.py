@@ -597,7 +597,9 @@ def eager_case() -> tuple[dict, dict]:
     xp, yp = x.physical, y.physical
     parts = {
         "`jsbp.jit(jnp.add)(x, y)` (no eager dispatch)": lambda: jf(x, y).physical,
-        "compiled program alone `jsbp.jit(jnp.add).lower(x, y).compile()(xp, yp)`": lambda: compiled(xp, yp),
+        "compiled program alone `jsbp.jit(jnp.add).lower(x, y).compile()(xp, yp)`": lambda: (
+            compiled(xp, yp)
+        ),
     }
     return fns, parts
 

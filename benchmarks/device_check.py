@@ -47,10 +47,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="timed steps per variant")
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated, of: " + ", ".join(SIZES))
-    ap.add_argument("--precision", default="highest", choices=("highest", "default"),
-                    help="float32 matmul precision: highest (the check is exact to rounding) or the "
-                    "platform's default (TF32 on recent NVIDIA GPUs: the timings users see)")
+    ap.add_argument(
+        "--sizes", default=",".join(SIZES), help="comma-separated, of: " + ", ".join(SIZES)
+    )
+    ap.add_argument(
+        "--precision",
+        default="highest",
+        choices=("highest", "default"),
+        help="float32 matmul precision: highest (the check is exact to rounding) or the "
+        "platform's default (TF32 on recent NVIDIA GPUs: the timings users see)",
+    )
     args = ap.parse_args(argv)
 
     import jax
@@ -65,8 +71,11 @@ def main(argv=None) -> int:
     import jsbp.flax as jflax
 
     dev = jax.devices()[0]
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {dev.device_kind}, "
-          f"matmul precision {args.precision}", flush=True)
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, device {dev.device_kind}, "
+        f"matmul precision {args.precision}",
+        flush=True,
+    )
     corpus = tg.Corpus()
     results, bad = [], []
     for name in args.sizes.split(","):
@@ -74,8 +83,10 @@ def main(argv=None) -> int:
         cfg = tg.GPTConfig(vocab=corpus.vocab, **fields)
         data = corpus.batches(0, BATCH[name], cfg.seq)
         batches = [next(data) for _ in range(6)]
-        strategy = jflax.Strategy(jsbp.placement(dev.platform, [dev.id], axis_names=("dp",)),
-                                  logical_axes={k: v for k, v in tg.LOGICAL_AXES.items() if v in (None, "dp")})
+        strategy = jflax.Strategy(
+            jsbp.placement(dev.platform, [dev.id], axis_names=("dp",)),
+            logical_axes={k: v for k, v in tg.LOGICAL_AXES.items() if v in (None, "dp")},
+        )
 
         def variant(planner, cfg=cfg, strategy=strategy, batches=batches):
             model, opt = tg.init(cfg, 0, LR)
@@ -86,7 +97,9 @@ def main(argv=None) -> int:
                 model, opt = jflax.shard((model, opt), strategy)
                 step = jflax.make_train_step(tg.loss_fn, strategy)
             losses = []
-            for b in batches[:5]:  # the first step plans (under the planner chosen above) and compiles
+            for b in batches[
+                :5
+            ]:  # the first step plans (under the planner chosen above) and compiles
                 loss = step(model, opt, b)
                 losses.append(float(loss.numpy() if isinstance(loss, jsbp.GlobalTensor) else loss))
             os.environ.pop("JSBP_PLANNER", None)
@@ -98,18 +111,30 @@ def main(argv=None) -> int:
         def runner(step):
             def fn(state, b):
                 return state, step(state[0], state[1], b)
+
             return fn
 
         ref_losses = made[0][2]
         for label, (_, _, losses) in zip(names[1:], made[1:]):
             d = max(abs(a - r) / max(abs(r), 1e-6) for a, r in zip(losses, ref_losses))
-            print(f"{name}: {label} losses vs jax.jit, largest relative difference {d:.2e}", flush=True)
+            print(
+                f"{name}: {label} losses vs jax.jit, largest relative difference {d:.2e}",
+                flush=True,
+            )
             if d > TOL:
                 bad.append(f"{name} {label} losses {d:.2e}")
-        times, states = interleaved_medians([runner(m[0]) for m in made], [m[1] for m in made],
-                                            [batches[5]] * 3, args.steps, warmup=3)
+        times, states = interleaved_medians(
+            [runner(m[0]) for m in made],
+            [m[1] for m in made],
+            [batches[5]] * 3,
+            args.steps,
+            warmup=3,
+        )
         loss_of = jax.jit(tg.loss_fn)
-        plains = [model if label == "jax.jit" else jflax.gather(model) for label, (model, _) in zip(names, states)]
+        plains = [
+            model if label == "jax.jit" else jflax.gather(model)
+            for label, (model, _) in zip(names, states)
+        ]
         ref_params = jax.tree.leaves(nnx.state(plains[0], nnx.Param))
         ref_final = float(loss_of(plains[0], batches[4]))  # a batch of the first five
         row = {"size": name, "config": fields, "batch": BATCH[name]}
@@ -118,18 +143,40 @@ def main(argv=None) -> int:
             d_loss = abs(final - ref_final) / abs(ref_final)
             # an adamw step moves an element by about lr whatever its gradient's size, so rounding
             # that flips a tiny gradient's sign shows as ~lr: the difference is reported in lr units
-            d_par = max(float(np.max(np.abs(np.asarray(a) - np.asarray(r))))
-                        for a, r in zip(jax.tree.leaves(nnx.state(plain, nnx.Param)), ref_params)) / LR
-            row[label] = {"step_ms": t, "ratio": t / times[0], "final_loss": final, "final_loss_rel_diff": d_loss,
-                          "param_max_diff_in_lr": d_par}
-            print(f"{name}: {label:12s} {t:8.3f} ms/step  x{t / times[0]:.3f}  final loss {final:.6f} "
-                  f"({d_loss:.1e} from jax.jit), params within {d_par:.2f} lr", flush=True)
+            d_par = (
+                max(
+                    float(np.max(np.abs(np.asarray(a) - np.asarray(r))))
+                    for a, r in zip(jax.tree.leaves(nnx.state(plain, nnx.Param)), ref_params)
+                )
+                / LR
+            )
+            row[label] = {
+                "step_ms": t,
+                "ratio": t / times[0],
+                "final_loss": final,
+                "final_loss_rel_diff": d_loss,
+                "param_max_diff_in_lr": d_par,
+            }
+            print(
+                f"{name}: {label:12s} {t:8.3f} ms/step  x{t / times[0]:.3f}  final loss {final:.6f} "
+                f"({d_loss:.1e} from jax.jit), params within {d_par:.2f} lr",
+                flush=True,
+            )
             if d_loss > TOL:
                 bad.append(f"{name} {label} final loss {d_loss:.2e}")
         results.append(row)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"jax": jax.__version__, "device": dev.device_kind, "precision": args.precision,
-                                                       "results": results}, indent=1))
+        pathlib.Path(args.json).write_text(
+            json.dumps(
+                {
+                    "jax": jax.__version__,
+                    "device": dev.device_kind,
+                    "precision": args.precision,
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
     if bad:
         print("MISMATCH: " + "; ".join(bad))
         return 1

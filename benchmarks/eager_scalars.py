@@ -64,7 +64,9 @@ def run(pairs):
         for k, (_, gs, lrs) in enumerate(pairs):
             t = time.perf_counter()
             states[k] = step(states[k], gs, lrs[i])
-            jax.block_until_ready([p.physical if isinstance(p, jsbp.GlobalTensor) else p for p in states[k]])
+            jax.block_until_ready(
+                [p.physical if isinstance(p, jsbp.GlobalTensor) else p for p in states[k]]
+            )
             times[k].append(time.perf_counter() - t)
     return states, times
 
@@ -107,7 +109,9 @@ def main():
             rows.append((name, label, sum(ts), statistics.median(ts) * 1e3))
         rows[-2] += (compiles[0],)
         rows[-1] += ("",)
-    print(f"eager step, {n} steps, 3 parameters on {plc.size} devices (jsbp {jsbp.__version__}, jax {jax.__version__})")
+    print(
+        f"eager step, {n} steps, 3 parameters on {plc.size} devices (jsbp {jsbp.__version__}, jax {jax.__version__})"
+    )
     print("(schedule and constant steps interleaved; compiles: both runs' timed steps together)")
     print(f"{'arrays':<10} {'learning rate':<14} {'total s':>8} {'median ms':>10} {'compiles':>9}")
     for name, label, tot, med, comp in rows:

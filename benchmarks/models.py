@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument(
-        "--program", action="store_true",
+        "--program",
+        action="store_true",
         help="also time both compiled programs alone (jsbp's entry over its physical arrays, GSPMD's "
         "step as one jax.jit over its flat leaves: no pytree handling on either side) in the same "
         "interleaving: the programs compared without the per-call work",
@@ -243,10 +244,7 @@ def gspmd_step(mod, strategy, host_batch):
     graphdef, state = nnx.split((model, opt))
     flat = list(nnx.to_flat_state(state))
     plans = jflax.leaf_layouts(flat, strategy)
-    uneven = sum(
-        not is_even(plc, plans[p].stored, np.shape(v.get_value()))
-        for p, v in flat
-    )
+    uneven = sum(not is_even(plc, plans[p].stored, np.shape(v.get_value())) for p, v in flat)
     state_sh = nnx.from_flat_state(
         [(p, v.replace(sharding(plans[p].stored, np.shape(v.get_value())))) for p, v in flat]
     )
@@ -261,7 +259,6 @@ def gspmd_step(mod, strategy, host_batch):
     is_pair = lambda t: isinstance(t, tuple) and len(t) == 2 and isinstance(t[1], NamedSharding)  # noqa: E731
     batch = jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair)
     batch_sh = jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair)
-
 
     wsc_names, use, pin_grad, map_flat = pins(strategy, plans, sharding)
     zero3 = strategy.zero >= 3

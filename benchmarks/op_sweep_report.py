@@ -39,7 +39,9 @@ def summarise(path: str, wall: float | None = None) -> str:
     if raises:
         lines.append("\nraises (function -> primitive named: cases):")
         for fn in sorted(raises):
-            lines.append(f"  {fn} -> " + ", ".join(f"{p}: {n}" for p, n in raises[fn].most_common()))
+            lines.append(
+                f"  {fn} -> " + ", ".join(f"{p}: {n}" for p, n in raises[fn].most_common())
+            )
     repl = collections.defaultdict(set)
     for r in rs:
         for prim in r.get("replicated") or ():
@@ -55,7 +57,9 @@ def summarise(path: str, wall: float | None = None) -> str:
     if fails:
         lines.append("\nfailures (function: cases, first message):")
         for fn in sorted(fails):
-            lines.append(f"  {fn}: {len(fails[fn])}  e.g. {fails[fn][0]['id']}: {fails[fn][0]['detail'][:160]}")
+            lines.append(
+                f"  {fn}: {len(fails[fn])}  e.g. {fails[fn][0]['id']}: {fails[fn][0]['detail'][:160]}"
+            )
     return "\n".join(lines)
 
 
@@ -75,7 +79,17 @@ def main() -> int:
     if not a.sample:
         env["JSBP_FULL"] = "1"
     t = time.time()
-    cmd = [sys.executable, "-m", "pytest", "tests/test_op_sweep.py", "-q", "-n", a.n, "-p", "no:cacheprovider"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/test_op_sweep.py",
+        "-q",
+        "-n",
+        a.n,
+        "-p",
+        "no:cacheprovider",
+    ]
     subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     print(summarise(log, time.time() - t))
     print(f"\n(log: {log})")

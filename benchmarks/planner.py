@@ -75,6 +75,7 @@ def gpt_programs(layers=1):
     for strat in bc.strategies():
         short = strat.name.split()[0]
         for hinted in (False, True):
+
             def make(strat=strat, hinted=hinted):
                 case = bc.Case(strat, (256, 64, 8, layers, 16, 32))
                 return (lambda: case.jsbp_fn(hinted)), case.jsbp_args()
@@ -88,6 +89,7 @@ def training_programs():
 
     out = {}
     for name, (parallel, zero, accum) in bt.STRATEGIES.items():
+
         def make(parallel=parallel, zero=zero, accum=accum):
             import train_gpt as tg
             from flax import nnx
@@ -114,6 +116,7 @@ def zoo_programs():
     out = {}
     for m in MODELS:
         for lay in ("dp8", "tp8", "dp2tp4", "zero3"):
+
             def make(m=m, lay=lay):
                 import optax
                 from flax import nnx
@@ -139,6 +142,7 @@ def test_programs():
 
     out = {}
     for name, case in tc._SEARCH_CASES.items():
+
         def make(case=case):
             fn, *_, args = case()
             return (lambda: jsbp.jit(fn)), args
@@ -147,7 +151,12 @@ def test_programs():
     return out
 
 
-GROUPS = {"gpt": gpt_programs, "training": training_programs, "zoo": zoo_programs, "tests": test_programs}
+GROUPS = {
+    "gpt": gpt_programs,
+    "training": training_programs,
+    "zoo": zoo_programs,
+    "tests": test_programs,
+}
 
 
 # -------------------------------------------------------------------------------------------
@@ -197,7 +206,13 @@ def compute_cost(prog, times: float = 1.0) -> float:
             lays = (*st.in_layouts, *st.out_layouts)
             sig = (tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts))
             total += times * float(_planner._work(st.eqn, [sig], lays[0].placement.hierarchy)[0])
-        trips = st.eqn.params["length"] if st.kind == "scan" else _compiler.WHILE_TRIPS if st.kind == "while" else 1
+        trips = (
+            st.eqn.params["length"]
+            if st.kind == "scan"
+            else _compiler.WHILE_TRIPS
+            if st.kind == "while"
+            else 1
+        )
         for sub in _compiler.subprograms(st):
             total += compute_cost(sub, times * trips)
     return total
@@ -261,7 +276,11 @@ def planning_times(layers_list=(1, 4, 16, 24), reps=1, strategy="DPxTP") -> list
             prog = _lower.plan(*a, **k)
             dt = time.perf_counter() - t
             best = dt if best is None else min(best, dt)
-        row["new"] = {"plan_s": best, "cost": _compiler.program_cost(prog), "combined": _planner.combined_cost(prog)}
+        row["new"] = {
+            "plan_s": best,
+            "cost": _compiler.program_cost(prog),
+            "combined": _planner.combined_cost(prog),
+        }
         for planner in ("search", "global"):
             for whole in (False, True):  # repeated layers planned once (jsbp/_repeat.py) or not
                 set_planner(planner)
@@ -279,7 +298,9 @@ def planning_times(layers_list=(1, 4, 16, 24), reps=1, strategy="DPxTP") -> list
                 row[planner + (" whole" if whole else "")] = {
                     "plan_s": best,
                     "cost": _compiler.program_cost(prog),
-                    "combined": _planner.combined_cost(prog),  # as it runs: combined collectives once
+                    "combined": _planner.combined_cost(
+                        prog
+                    ),  # as it runs: combined collectives once
                 }
         set_planner("search")
         rows.append(row)
@@ -291,9 +312,15 @@ def plan_on(prob, prog) -> list[int]:
     """The candidate of each node of ``prob`` that ``prog`` chose, ``prog`` planned from another
     trace of the same function (the hinted step: the same equations plus annotations), matched
     in program order by primitive and operand shapes."""
-    sigs = [(st.eqn.primitive.name, tuple(tuple(v.aval.shape) for v in st.eqn.invars),
-             (tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts)))
-            for _, st in _compiler.iter_steps(prog) if st.kind == "prim"]
+    sigs = [
+        (
+            st.eqn.primitive.name,
+            tuple(tuple(v.aval.shape) for v in st.eqn.invars),
+            (tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts)),
+        )
+        for _, st in _compiler.iter_steps(prog)
+        if st.kind == "prim"
+    ]
     j, choice = 0, []
     for n in prob.nodes:
         want = (n.eqn.primitive.name, tuple(tuple(v.aval.shape) for v in n.eqn.invars))
@@ -320,8 +347,11 @@ def hint_rows(layers_list=(1, 4), strategy="TP", steps=30, timed=True) -> list[d
     for layers in layers_list:
         case = bc.Case(strat, (256, 64, 8, layers, 16, 32))
         fns, progs = {}, {}
-        for name, hinted, planner in (("hinted", True, "search"), ("search", False, "search"),
-                                      ("global", False, "global")):
+        for name, hinted, planner in (
+            ("hinted", True, "search"),
+            ("search", False, "search"),
+            ("global", False, "global"),
+        ):
             set_planner(planner)
             fns[name] = case.jsbp_fn(hinted)
             with _Capture() as cap:
@@ -339,8 +369,12 @@ def hint_rows(layers_list=(1, 4), strategy="TP", steps=30, timed=True) -> list[d
         for name, prog in progs.items():
             choice = plan_on(prob, prog)
             compute = float(sum(n.cost[c] for n, c in zip(prob.nodes, choice)))
-            row[name] = {"cost": _compiler.program_cost(prog), "combined": _planner.combined_cost(prog),
-                         "compute": compute, "objective": _planner.objective(prob, choice)}
+            row[name] = {
+                "cost": _compiler.program_cost(prog),
+                "combined": _planner.combined_cost(prog),
+                "compute": compute,
+                "objective": _planner.objective(prob, choice),
+            }
         rows.append(row)
         if not timed:
             continue
@@ -350,11 +384,13 @@ def hint_rows(layers_list=(1, 4), strategy="TP", steps=30, timed=True) -> list[d
             def step(state, tok):
                 loss, p, o = f(*state, tok)
                 return (p, o), loss
+
             return step
 
         args = case.jsbp_args()
-        ms, _ = interleaved_medians([stepper(fns[n]) for n in order], [args[:2]] * 3, [args[2]] * 3,
-                                    steps=steps, warmup=3)
+        ms, _ = interleaved_medians(
+            [stepper(fns[n]) for n in order], [args[:2]] * 3, [args[2]] * 3, steps=steps, warmup=3
+        )
         for n, t in zip(order, ms):
             row[n]["step_ms"] = t
         print(f"  hints, {layers} layers: {row}", file=sys.stderr, flush=True)
@@ -362,15 +398,23 @@ def hint_rows(layers_list=(1, 4), strategy="TP", steps=30, timed=True) -> list[d
 
 
 def hint_table(rows) -> str:
-    lines = ["| step | blocks | plan | communication (MB-eq) | combined (MB-eq) | compute (MB-eq) | "
-             "objective (MB-eq) | step (ms) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| step | blocks | plan | communication (MB-eq) | combined (MB-eq) | compute (MB-eq) | "
+        "objective (MB-eq) | step (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        for name, label in (("hinted", "hinted (search)"), ("search", "un-hinted, search"),
-                            ("global", "un-hinted, global")):
+        for name, label in (
+            ("hinted", "hinted (search)"),
+            ("search", "un-hinted, search"),
+            ("global", "un-hinted, global"),
+        ):
             x = r[name]
-            lines.append(f"| {r['strategy']} | {r['layers']} | {label} | {x['cost'] / 1e6:.2f} | "
-                         f"{x['combined'] / 1e6:.2f} | {x['compute'] / 1e6:.2f} | {x['objective'] / 1e6:.2f} | "
-                         f"{x['step_ms']:.2f} |")
+            lines.append(
+                f"| {r['strategy']} | {r['layers']} | {label} | {x['cost'] / 1e6:.2f} | "
+                f"{x['combined'] / 1e6:.2f} | {x['compute'] / 1e6:.2f} | {x['objective'] / 1e6:.2f} | "
+                f"{x['step_ms']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -379,8 +423,12 @@ def cost_table(results: dict) -> str:
     ``latency_bytes`` per collective launched; MB-eq), the compiled collectives and the planning
     seconds. ``-``: a program the planner does not express yet."""
     lat = jsbp.CostModel().latency_bytes
-    lines = ["| program | " + " | ".join(f"{p} as run (MB-eq) | {p} collectives | {p} plan (s)" for p in PLANNERS) + " |",
-             "|---|" + "---|" * (3 * len(PLANNERS))]
+    lines = [
+        "| program | "
+        + " | ".join(f"{p} as run (MB-eq) | {p} collectives | {p} plan (s)" for p in PLANNERS)
+        + " |",
+        "|---|" + "---|" * (3 * len(PLANNERS)),
+    ]
     for name, r in results.items():
         cells = []
         for p in PLANNERS:
@@ -388,8 +436,11 @@ def cost_table(results: dict) -> str:
             if x is None:
                 cells += ["-", "-", "-"]
                 continue
-            cells += [f"{(x['comm_bytes'] + lat * x['launched']) / 1e6:.3f}",
-                      f"{x['collectives']} ({fmt_coll(x['by_kind'])})", f"{x['plan_s']:.2f}"]
+            cells += [
+                f"{(x['comm_bytes'] + lat * x['launched']) / 1e6:.3f}",
+                f"{x['collectives']} ({fmt_coll(x['by_kind'])})",
+                f"{x['plan_s']:.2f}",
+            ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -398,11 +449,14 @@ def time_table(rows) -> str:
     """Planning time and plan cost per step and depth: each planner as ``jsbp.jit`` runs it
     (repeated layers planned once, ``jsbp/_repeat.py``) and planning the whole program
     (``JSBP_REUSE_LAYERS=0``)."""
-    lines = ["| step | blocks | equations | search plan (s) | global plan (s) | search, whole (s) | "
-             "global, whole (s) | new (s) | search cost / combined (MB-eq) | global cost / combined (MB-eq) | "
-             "global whole cost / combined (MB-eq) | new cost / combined (MB-eq) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| step | blocks | equations | search plan (s) | global plan (s) | search, whole (s) | "
+        "global, whole (s) | new (s) | search cost / combined (MB-eq) | global cost / combined (MB-eq) | "
+        "global whole cost / combined (MB-eq) | new cost / combined (MB-eq) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
+
         def cc(x):
             return f"{x['cost'] / 1e6:.2f} / {x['combined'] / 1e6:.2f}"
 
@@ -417,33 +471,68 @@ def time_table(rows) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated subset of " + ",".join(GROUPS))
-    ap.add_argument("--planners", default=",".join(PLANNERS), help="comma-separated subset of " + ",".join(PLANNERS))
+    ap.add_argument(
+        "--planners",
+        default=",".join(PLANNERS),
+        help="comma-separated subset of " + ",".join(PLANNERS),
+    )
     ap.add_argument("--timing-only", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--layers", default="1,4,16,24", help="blocks of the timing rows")
-    ap.add_argument("--timing-steps", default="DPxTP,TP", help="un-hinted GPT steps of the timing rows")
-    ap.add_argument("--reps", type=int, default=3, help="plans per timing row (the fastest is reported)")
-    ap.add_argument("--record", default="", help="merge the search planner's costs of the programs into this JSON file")
+    ap.add_argument(
+        "--timing-steps", default="DPxTP,TP", help="un-hinted GPT steps of the timing rows"
+    )
+    ap.add_argument(
+        "--reps", type=int, default=3, help="plans per timing row (the fastest is reported)"
+    )
+    ap.add_argument(
+        "--record",
+        default="",
+        help="merge the search planner's costs of the programs into this JSON file",
+    )
     ap.add_argument("--json", default="", help="write all results here (JSON)")
-    ap.add_argument("--hints", default="", help="blocks of the hinted vs un-hinted TP rows (e.g. 1,4); "
-                    "alone with --only hints")
+    ap.add_argument(
+        "--hints",
+        default="",
+        help="blocks of the hinted vs un-hinted TP rows (e.g. 1,4); alone with --only hints",
+    )
     args = ap.parse_args(argv)
-    print(f"# jsbp planner benchmark: {jax.device_count()} simulated CPU devices, {os.cpu_count()} CPU cores, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"# jsbp planner benchmark: {jax.device_count()} simulated CPU devices, {os.cpu_count()} CPU cores, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     results, rows = {}, []
     if not args.timing_only and args.only != "hints":
-        for group in [g for g in (args.only.split(",") if args.only else GROUPS) if g and g != "hints"]:
+        for group in [
+            g for g in (args.only.split(",") if args.only else GROUPS) if g and g != "hints"
+        ]:
             for name, make in GROUPS[group]().items():
                 results[name] = measure(make, tuple(args.planners.split(",")))
                 r = results[name]
-                print(f"  {name}: " + " | ".join(
-                    f"{p} " + ("-" if r[p] is None else f"{r[p]['comm_bytes'] / 1e6:.3f} MB / {r[p]['launched']} "
-                                                      f"launched / {r[p]['collectives']} compiled")
-                    for p in PLANNERS), file=sys.stderr, flush=True)
+                print(
+                    f"  {name}: "
+                    + " | ".join(
+                        f"{p} "
+                        + (
+                            "-"
+                            if r[p] is None
+                            else f"{r[p]['comm_bytes'] / 1e6:.3f} MB / {r[p]['launched']} "
+                            f"launched / {r[p]['collectives']} compiled"
+                        )
+                        for p in PLANNERS
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
         print(cost_table(results))
     if not args.no_timing and args.only != "hints":
-        rows = [r for st in args.timing_steps.split(",")
-                for r in planning_times(tuple(int(x) for x in args.layers.split(",")), reps=args.reps, strategy=st)]
+        rows = [
+            r
+            for st in args.timing_steps.split(",")
+            for r in planning_times(
+                tuple(int(x) for x in args.layers.split(",")), reps=args.reps, strategy=st
+            )
+        ]
         print()
         print(time_table(rows))
     hints = []
@@ -455,12 +544,20 @@ def main(argv=None) -> int:
         path = pathlib.Path(args.record)
         table = json.loads(path.read_text()) if path.exists() else {}
         keep = ("cost", "collectives", "comm_bytes", "launched", "seconds")
-        table.update({name: {**{k: r["search"][k] for k in keep},
-                             "global": {k: r["global"][k] for k in keep}}
-                      for name, r in results.items()})
+        table.update(
+            {
+                name: {
+                    **{k: r["search"][k] for k in keep},
+                    "global": {k: r["global"][k] for k in keep},
+                }
+                for name, r in results.items()
+            }
+        )
         path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"costs": results, "timing": rows, "hints": hints}, indent=1))
+        pathlib.Path(args.json).write_text(
+            json.dumps({"costs": results, "timing": rows, "hints": hints}, indent=1)
+        )
     return 0
 
 

@@ -35,23 +35,43 @@ from jsbp import _compiler
 
 HEURISTICS = {
     # name: (what switching it off means, {attribute of jsbp._compiler: value})
-    "lookahead": ("no lookahead pass (the backward demand walk and the forward pass charging "
-                  "each candidate the boxing of its outputs)", {"LOOKAHEAD_ROUNDS": 0}),
-    "free seed": ("the anchored seed alone (a zero budget stops the free seed at its first conversion)",
-                  {"SEED_SLACK": 0.0}),
-    "carry-through": ("an elementwise equation does not pass its output's one wanted layout on to its "
-                      "operands in the backward walk", {"_carry_through": lambda eqn, cands, demand: None}),
-    "producer depth": ("the backward walk does not look through producers for a layout had without "
-                       "boxing", {"PRODUCER_DEPTH": 0}),
+    "lookahead": (
+        "no lookahead pass (the backward demand walk and the forward pass charging "
+        "each candidate the boxing of its outputs)",
+        {"LOOKAHEAD_ROUNDS": 0},
+    ),
+    "free seed": (
+        "the anchored seed alone (a zero budget stops the free seed at its first conversion)",
+        {"SEED_SLACK": 0.0},
+    ),
+    "carry-through": (
+        "an elementwise equation does not pass its output's one wanted layout on to its "
+        "operands in the backward walk",
+        {"_carry_through": lambda eqn, cands, demand: None},
+    ),
+    "producer depth": (
+        "the backward walk does not look through producers for a layout had without boxing",
+        {"PRODUCER_DEPTH": 0},
+    ),
     "walk sweeps": ("one backward sweep per walk instead of two", {"WALK_SWEEPS": 1}),
-    "made anyway": ("a conversion another consumer asked for is not free",
-                    {"_asked_by_another": lambda want, v, nd, eqn: False}),
-    "tie-breakers": ("candidates of equal cost are not ranked by partial outputs and new splits",
-                     {"_tie_break": lambda ins, outs, naxes: (0, 0)}),
-    "tie rank": ("a lookahead pass of equal cost is not ranked by its combined collectives and local "
-                 "slices (the earlier pass is kept)", {"_tie_rank": lambda prog: (0.0, 0)}),
-    "compute-heavy as is": ("a matmul / convolution that can run on its operands as they are may box them "
-                            "for the lookahead", {"_COMPUTE_HEAVY": frozenset()}),
+    "made anyway": (
+        "a conversion another consumer asked for is not free",
+        {"_asked_by_another": lambda want, v, nd, eqn: False},
+    ),
+    "tie-breakers": (
+        "candidates of equal cost are not ranked by partial outputs and new splits",
+        {"_tie_break": lambda ins, outs, naxes: (0, 0)},
+    ),
+    "tie rank": (
+        "a lookahead pass of equal cost is not ranked by its combined collectives and local "
+        "slices (the earlier pass is kept)",
+        {"_tie_rank": lambda prog: (0.0, 0)},
+    ),
+    "compute-heavy as is": (
+        "a matmul / convolution that can run on its operands as they are may box them "
+        "for the lookahead",
+        {"_COMPUTE_HEAVY": frozenset()},
+    ),
 }
 
 MEASURES = ("cost", "as run", "as run + compute")
@@ -72,7 +92,11 @@ def switched_off(name):
 
 
 def measures(x) -> dict:
-    return {"cost": x["cost"], "as run": x["combined"], "as run + compute": x["combined"] + x["compute"]}
+    return {
+        "cost": x["cost"],
+        "as run": x["combined"],
+        "as run + compute": x["combined"] + x["compute"],
+    }
 
 
 def plan_all(progs) -> dict:
@@ -85,8 +109,16 @@ def plan_all(progs) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="comma-separated program names (default: all of benchmarks/planner.py's)")
-    ap.add_argument("--heuristics", default=",".join(HEURISTICS), help="comma-separated subset of " + ",".join(HEURISTICS))
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated program names (default: all of benchmarks/planner.py's)",
+    )
+    ap.add_argument(
+        "--heuristics",
+        default=",".join(HEURISTICS),
+        help="comma-separated subset of " + ",".join(HEURISTICS),
+    )
     ap.add_argument("--json", default="", help="write all results here (JSON)")
     args = ap.parse_args(argv)
     progs = {}
@@ -104,22 +136,36 @@ def main(argv=None) -> int:
             results[h] = plan_all(progs)
         print(f"  {h}: done", file=sys.stderr, flush=True)
     base = results[""]
-    print(f"# {len(progs)} programs; per measure: programs dearer / cheaper than with every heuristic on")
-    print("| heuristic switched off | planner | " + " | ".join(MEASURES) + " |\n|---|---|" + "---|" * len(MEASURES))
+    print(
+        f"# {len(progs)} programs; per measure: programs dearer / cheaper than with every heuristic on"
+    )
+    print(
+        "| heuristic switched off | planner | "
+        + " | ".join(MEASURES)
+        + " |\n|---|---|"
+        + "---|" * len(MEASURES)
+    )
     worse = []
     for h in names:
         for planner in bp.PLANNERS:
             cells = []
             for m in MEASURES:
-                d = [measures(results[h][p][planner])[m] - measures(base[p][planner])[m] for p in progs]
+                d = [
+                    measures(results[h][p][planner])[m] - measures(base[p][planner])[m]
+                    for p in progs
+                ]
                 cells.append(f"{sum(x > TOL for x in d)} / {sum(x < -TOL for x in d)}")
             print(f"| {h} | {planner} | " + " | ".join(cells) + " |")
         for p in progs:
             a, b = measures(base[p]["global"]), measures(results[h][p]["global"])
             if b["as run"] > a["as run"] + TOL:
-                worse.append(f"| {h} | {p} | {a['as run'] / 1e6:.2f} -> {b['as run'] / 1e6:.2f} | "
-                             f"{a['as run + compute'] / 1e6:.2f} -> {b['as run + compute'] / 1e6:.2f} |")
-    print("\n| heuristic switched off | program | global plan as run (MB-eq) | as run + compute (MB-eq) |\n|---|---|---|---|")
+                worse.append(
+                    f"| {h} | {p} | {a['as run'] / 1e6:.2f} -> {b['as run'] / 1e6:.2f} | "
+                    f"{a['as run + compute'] / 1e6:.2f} -> {b['as run + compute'] / 1e6:.2f} |"
+                )
+    print(
+        "\n| heuristic switched off | program | global plan as run (MB-eq) | as run + compute (MB-eq) |\n|---|---|---|---|"
+    )
     print("\n".join(worse) if worse else "| (none) | | | |")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))

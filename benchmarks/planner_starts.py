@@ -34,8 +34,15 @@ import planner as bp  # benchmarks/planner.py: sets up 8 CPU devices and sys.pat
 from jsbp import _compiler, _planner, _sbp
 from jsbp.debug import count_collectives
 
-PROGRAMS = ("gpt TP +hints", "gpt DPxTP", "training dp2_tp4", "zoo cnn dp2tp4", "zoo scan_mlp dp2tp4",
-            "zoo moe dp2tp4", "tests hybrid_2x4")
+PROGRAMS = (
+    "gpt TP +hints",
+    "gpt DPxTP",
+    "training dp2_tp4",
+    "zoo cnn dp2tp4",
+    "zoo scan_mlp dp2tp4",
+    "zoo moe dp2tp4",
+    "tests hybrid_2x4",
+)
 
 
 def _on(sig, axis):
@@ -54,15 +61,30 @@ def _axis_alone(prob, axis, time_limit):
     others = [b for b in range(len(prob.hierarchy)) if b != axis]
     keep = []
     for n in prob.nodes:
-        ks = [s for s, sig in enumerate(n.cands) if all(x == _sbp.broadcast for b in others for x in _on(sig, b))]
+        ks = [
+            s
+            for s, sig in enumerate(n.cands)
+            if all(x == _sbp.broadcast for b in others for x in _on(sig, b))
+        ]
         keep.append(ks or list(range(len(n.cands))))
 
     def proj(nd):  # a fixed layout as the axis alone sees it: every other axis replicated
-        return None if nd is None else tuple(x if b == axis else _sbp.broadcast for b, x in enumerate(nd))
+        return (
+            None
+            if nd is None
+            else tuple(x if b == axis else _sbp.broadcast for b, x in enumerate(nd))
+        )
 
-    values = {k: dataclasses.replace(v, nd=proj(v.nd), own=[proj(t) for t in v.own], shared={proj(t) for t in v.shared},
-                                     costs=None)
-              for k, v in prob.values.items()}
+    values = {
+        k: dataclasses.replace(
+            v,
+            nd=proj(v.nd),
+            own=[proj(t) for t in v.own],
+            shared={proj(t) for t in v.shared},
+            costs=None,
+        )
+        for k, v in prob.values.items()
+    }
     sub = _planner.restrict(prob, keep, values)
     if not _planner._exact_fits(sub):
         return None
@@ -77,12 +99,24 @@ def _by_axis_from_axes(orig, time_limit):
         comb = []
         for u, n in enumerate(prob.nodes):
             want = [_on(n.cands[s[u]], a) if s else None for a, s in enumerate(sols)]
-            comb.append(next((c for c, sig in enumerate(n.cands)
-                              if all(w is None or _on(sig, a) == w for a, w in enumerate(want))), start[u]))
+            comb.append(
+                next(
+                    (
+                        c
+                        for c, sig in enumerate(n.cands)
+                        if all(w is None or _on(sig, a) == w for a, w in enumerate(want))
+                    ),
+                    start[u],
+                )
+            )
         other = orig(prob, comb, sweeps)
-        if _planner.objective(prob, other, hubs=False) < _planner.objective(prob, best, hubs=False) - 1e-6:
+        if (
+            _planner.objective(prob, other, hubs=False)
+            < _planner.objective(prob, best, hubs=False) - 1e-6
+        ):
             return other
         return best
+
     return by_axis
 
 
@@ -104,14 +138,20 @@ def start(name, time_limit=_planner.ILP_TIME_LIMIT):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(PROGRAMS), help="comma-separated program names")
-    ap.add_argument("--axis-time-limit", type=float, default=_planner.ILP_TIME_LIMIT,
-                    help="seconds for milp where an axis solved alone has a fractional relaxation")
+    ap.add_argument(
+        "--axis-time-limit",
+        type=float,
+        default=_planner.ILP_TIME_LIMIT,
+        help="seconds for milp where an axis solved alone has a fractional relaxation",
+    )
     args = ap.parse_args(argv)
     progs = {}
     for make in bp.GROUPS.values():
         progs.update(make())
     bp.set_planner("global")
-    print("| program | start | cost (MB-eq) | as run (MB-eq) | collectives | plan (s) |\n|---|---|---|---|---|---|")
+    print(
+        "| program | start | cost (MB-eq) | as run (MB-eq) | collectives | plan (s) |\n|---|---|---|---|---|---|"
+    )
     for name in args.only.split(","):
         for s in ("search", "greedy", "greedy+axes"):
             with start(s, args.axis_time_limit):
@@ -121,8 +161,10 @@ def main(argv=None) -> int:
             cost = sum(_compiler.program_cost(c[2]) for c in cap.calls) / 1e6
             # (``infer`` already combined them; ``combined_cost`` redoes that, idempotently, and counts)
             run = sum(_planner.combined_cost(c[2], loops=True) for c in cap.calls) / 1e6
-            print(f"| {name} | {s} | {cost:.2f} | {run:.2f} | {sum(coll.values())} ({bp.fmt_coll({k: v for k, v in coll.items() if v})}) | {sum(c[3] for c in cap.calls):.2f} |",
-                  flush=True)
+            print(
+                f"| {name} | {s} | {cost:.2f} | {run:.2f} | {sum(coll.values())} ({bp.fmt_coll({k: v for k, v in coll.items() if v})}) | {sum(c[3] for c in cap.calls):.2f} |",
+                flush=True,
+            )
     bp.set_planner("search")
     return 0
 

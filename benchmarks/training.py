@@ -224,7 +224,6 @@ def hand_written(tg, cfg, strategy, accum, host_batch):
     batch_sh = sharding(bnd, host_batch.shape)
     batch = jax.device_put(jnp.asarray(host_batch), batch_sh)
 
-
     wsc_names, use, pin_grad, map_flat = pins(strategy, plans, sharding)
     zero3 = strategy.zero >= 3
 

@@ -61,7 +61,9 @@ DECAY_STEPS = 600  # cosine decay to LR / 10 over this many steps (then flat); f
 # ----------------------------------------------------------------------------------------------
 
 
-AUTO_DEVICES = 8  # --parallel auto: devices to lay the model out on (simulated CPU devices by default)
+AUTO_DEVICES = (
+    8  # --parallel auto: devices to lay the model out on (simulated CPU devices by default)
+)
 
 
 def parse_parallel(text: str) -> dict[str, int] | str:
@@ -106,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=BATCH, help="sequences per optimizer step")
     ap.add_argument("--lr", type=float, default=LR, help="peak learning rate (default %(default)s)")
-    ap.add_argument("--warmup", type=int, default=WARMUP, help="linear warmup steps (default %(default)s)")
+    ap.add_argument(
+        "--warmup", type=int, default=WARMUP, help="linear warmup steps (default %(default)s)"
+    )
     ap.add_argument(
         "--decay-steps",
         type=int,
@@ -115,11 +119,27 @@ def build_parser() -> argparse.ArgumentParser:
         "independent of --steps so that --resume continues the same curve (default %(default)s)",
     )
     ap.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
-    ap.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (pp > 1)")
-    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"), help="pipeline schedule (pp > 1)")
-    ap.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps (with --ckpt-dir)")
+    ap.add_argument(
+        "--microbatches", type=int, default=None, help="pipeline micro-batches (pp > 1)"
+    )
+    ap.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=("1f1b", "gpipe", "interleaved"),
+        help="pipeline schedule (pp > 1)",
+    )
+    ap.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="save a checkpoint every K steps (with --ckpt-dir)",
+    )
     ap.add_argument("--ckpt-dir", default=None, help="directory for --save-every checkpoints")
-    ap.add_argument("--resume", default=None, help="resume from the newest checkpoint in this directory (any --parallel)")
+    ap.add_argument(
+        "--resume",
+        default=None,
+        help="resume from the newest checkpoint in this directory (any --parallel)",
+    )
     return ap
 
 
@@ -353,13 +373,24 @@ def auto_strategy(model, optimizer, batch, memory_budget=None, *, accum: int = 1
     """``Strategy.auto`` on the first ``AUTO_DEVICES`` devices for this model, optimizer and a
     batch of the run's shape; ``strategy.report`` lists what it planned."""
     if zero:
-        raise jsbp.SbpError("--zero with --parallel auto: the ZeRO stage is part of what auto chooses; drop --zero.")
+        raise jsbp.SbpError(
+            "--zero with --parallel auto: the ZeRO stage is part of what auto chooses; drop --zero."
+        )
     devices = jax.devices()
     if len(devices) < AUTO_DEVICES:
-        raise jsbp.SbpError(f"--parallel auto lays the model out on {AUTO_DEVICES} devices, JAX has {len(devices)}.")
+        raise jsbp.SbpError(
+            f"--parallel auto lays the model out on {AUTO_DEVICES} devices, JAX has {len(devices)}."
+        )
     plc = jsbp.placement(devices[0].platform, [d.id for d in devices[:AUTO_DEVICES]])
-    return jflax.Strategy.auto(plc, memory_budget, model=model, optimizer=optimizer, loss_fn=loss_fn,
-                               batch=batch, accum=accum)
+    return jflax.Strategy.auto(
+        plc,
+        memory_budget,
+        model=model,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        batch=batch,
+        accum=accum,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,8 +435,14 @@ def train(
     cfg = cfg or GPTConfig(vocab=corpus.vocab)
     model, optimizer = init(cfg, seed, lr_schedule(lr, warmup, decay_steps))
     if parallel == "auto":
-        strategy = auto_strategy(model, optimizer, next(corpus.batches(seed, batch, cfg.seq)),
-                                 memory_budget, accum=accum, zero=zero)
+        strategy = auto_strategy(
+            model,
+            optimizer,
+            next(corpus.batches(seed, batch, cfg.seq)),
+            memory_budget,
+            accum=accum,
+            zero=zero,
+        )
     else:
         strategy = make_strategy(parallel, zero)
     if strategy is not None:
@@ -413,7 +450,9 @@ def train(
     step = jflax.make_train_step(loss_fn, strategy, accum=accum)
     data = corpus.batches(seed, batch, cfg.seq)
     start = 0
-    if resume is not None:  # logical values come back in THIS run's layouts, whatever the saved ones
+    if (
+        resume is not None
+    ):  # logical values come back in THIS run's layouts, whatever the saved ones
         import jsbp.checkpoint as ckpt
 
         start = ckpt.latest_step(resume)
@@ -438,7 +477,9 @@ def train(
         if save_every and ckpt_dir and (i + 1) % save_every == 0:
             import jsbp.checkpoint as ckpt
 
-            ckpt.save_step(ckpt_dir, i + 1, {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
+            ckpt.save_step(
+                ckpt_dir, i + 1, {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+            )
     seconds = time.perf_counter() - t0
     plain = jflax.gather(model) if strategy is not None else model
     return Run(losses, plain, step, (model, optimizer), seconds)
@@ -465,7 +506,9 @@ def sample(
         window = ids[-seq:]
         x = np.zeros((1, seq), np.int32)
         x[0, : len(window)] = window
-        logits = np.asarray(fwd(model, jnp.asarray(x))[0, len(window) - 1, : len(corpus.chars)], np.float64)
+        logits = np.asarray(
+            fwd(model, jnp.asarray(x))[0, len(window) - 1, : len(corpus.chars)], np.float64
+        )
         if temperature <= 0:
             ids.append(int(np.argmax(logits)))
             continue
@@ -480,16 +523,35 @@ def sample(
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     axes = parse_parallel(args.parallel)
-    if axes != "auto" and axes.get("pp", 1) > 1:  # pipeline parallelism lives in its own driver (jsbp.pipeline)
+    if (
+        axes != "auto" and axes.get("pp", 1) > 1
+    ):  # pipeline parallelism lives in its own driver (jsbp.pipeline)
         if args.microbatches is None:
             print("train_gpt.py: --parallel with pp > 1 needs --microbatches N", file=sys.stderr)
             return 2
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import train_gpt_pipeline
 
-        fwd = ["--parallel", args.parallel, "--microbatches", str(args.microbatches), "--schedule", args.schedule,
-               "--steps", str(args.steps), "--seed", str(args.seed), "--batch", str(args.batch), "--lr", str(args.lr),
-               "--warmup", str(args.warmup), "--decay-steps", str(args.decay_steps)]
+        fwd = [
+            "--parallel",
+            args.parallel,
+            "--microbatches",
+            str(args.microbatches),
+            "--schedule",
+            args.schedule,
+            "--steps",
+            str(args.steps),
+            "--seed",
+            str(args.seed),
+            "--batch",
+            str(args.batch),
+            "--lr",
+            str(args.lr),
+            "--warmup",
+            str(args.warmup),
+            "--decay-steps",
+            str(args.decay_steps),
+        ]
         return train_gpt_pipeline.main(fwd + (["--json"] if args.json else []))
     if args.memory_budget is not None and axes != "auto":
         print("train_gpt.py: --memory-budget needs --parallel auto", file=sys.stderr)

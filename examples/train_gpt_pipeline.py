@@ -47,8 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=base.BATCH, help="sequences per optimizer step")
-    ap.add_argument("--lr", type=float, default=base.LR, help="peak learning rate (default %(default)s)")
-    ap.add_argument("--warmup", type=int, default=base.WARMUP, help="linear warmup steps (default %(default)s)")
+    ap.add_argument(
+        "--lr", type=float, default=base.LR, help="peak learning rate (default %(default)s)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=base.WARMUP, help="linear warmup steps (default %(default)s)"
+    )
     ap.add_argument(
         "--decay-steps",
         type=int,
@@ -227,7 +231,10 @@ def main(argv=None) -> int:
             show("MISMATCH: the pipeline does not reproduce the one-device losses")
             return 1
     if not args.json:
-        show("sample (temperature 0.8, top-10, seed 0):\n" + base.sample(model, corpus, base.PROMPT, 160))
+        show(
+            "sample (temperature 0.8, top-10, seed 0):\n"
+            + base.sample(model, corpus, base.PROMPT, 160)
+        )
     return 0
 
 

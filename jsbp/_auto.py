@@ -108,7 +108,12 @@ class AutoLayouts:
     def __str__(self):
         nds = jax.tree_util.tree_leaves(self.layouts, is_leaf=_is_nd)
         rows = [
-            (p, str(s), _sbp.nd_str(nd), fmt_bytes(local_bytes(layout_of(self.placement, nd, s), d)))
+            (
+                p,
+                str(s),
+                _sbp.nd_str(nd),
+                fmt_bytes(local_bytes(layout_of(self.placement, nd, s), d)),
+            )
             for p, s, nd, d in zip(self.paths, self.shapes, nds, self.dtypes)
         ]
         head = ("leaf", "shape", "sbp", "local bytes")
@@ -149,14 +154,21 @@ def leaf_candidates(shape, dtype, placement: Placement) -> list[NdSbp]:
         return [(B,) * placement.ndim]
     per_axis = []
     for n in placement.hierarchy:
-        opts = [B] + [_sbp.split(d) for d in range(len(shape)) if shape[d] >= n and shape[d] % n == 0]
+        opts = [B] + [
+            _sbp.split(d) for d in range(len(shape)) if shape[d] >= n and shape[d] % n == 0
+        ]
         per_axis.append(opts)
     out = []
     for nd in itertools.product(*per_axis):
         # two axes splitting one dim must leave it divisible by both together
-        ok = all(shape[d] % math.prod(placement.hierarchy[a] for a, s in enumerate(nd)
-                                      if s.is_split and s.dim == d) == 0
-                 for d in range(len(shape)))
+        ok = all(
+            shape[d]
+            % math.prod(
+                placement.hierarchy[a] for a, s in enumerate(nd) if s.is_split and s.dim == d
+            )
+            == 0
+            for d in range(len(shape))
+        )
         if ok:
             out.append(tuple(nd))
     return out
@@ -230,7 +242,9 @@ def auto_layouts(
     metas = [_leaf_meta(x) for _, x in path_leaves]
     shapes = [m[0] for m in metas]
     dtypes = [_dtype(m[1]) for m in metas]
-    arg_leaves = [[i for i, (p, _) in enumerate(path_leaves) if p[0].idx == k] for k in range(len(args))]
+    arg_leaves = [
+        [i for i, (p, _) in enumerate(path_leaves) if p[0].idx == k] for k in range(len(args))
+    ]
     fixed_nd = _fixed_index(fixed, paths, len(args), arg_leaves, placement, shapes)
     total = sum(math.prod(s) * itemsize(d) for s, d in zip(shapes, dtypes))
     if budget is not None and budget < total / placement.size:
@@ -247,7 +261,11 @@ def auto_layouts(
 
     def plan(nds):
         lays = [layout_of(placement, nd, s) for nd, s in zip(nds, shapes)]
-        spec = out_sbp(jax.tree_util.tree_unflatten(treedef, list(nds))) if callable(out_sbp) else out_sbp
+        spec = (
+            out_sbp(jax.tree_util.tree_unflatten(treedef, list(nds)))
+            if callable(out_sbp)
+            else out_sbp
+        )
         spec = _flat_out_sbp(spec, len(out_avals))
         out_nd = _out_nd_list(spec, len(out_avals), placement, [a.shape for a in out_avals])
         prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd)
@@ -264,9 +282,13 @@ def auto_layouts(
             hit = cache[nds] = ((over, est.seconds, est.peak_bytes), est, spec)
         return hit
 
-    cands = [[fixed_nd[i]] if i in fixed_nd else leaf_candidates(s, d, placement)
-             for i, (s, d) in enumerate(zip(shapes, dtypes))]
-    order = sorted(range(len(shapes)), key=lambda i: (-math.prod(shapes[i]) * itemsize(dtypes[i]), i))
+    cands = [
+        [fixed_nd[i]] if i in fixed_nd else leaf_candidates(s, d, placement)
+        for i, (s, d) in enumerate(zip(shapes, dtypes))
+    ]
+    order = sorted(
+        range(len(shapes)), key=lambda i: (-math.prod(shapes[i]) * itemsize(dtypes[i]), i)
+    )
     # moves: a group of leaves of one shape and dtype at once (a parameter and its optimizer
     # moments), largest first, then each leaf alone
     groups: dict = {}
@@ -302,8 +324,10 @@ def auto_layouts(
     # it (the fastest plan may fit). The best assignment planned on any path wins.
     start = [fixed_nd.get(i, (B,) * placement.ndim) for i in range(len(shapes))]
     baseline = score(start)[1]
-    finest = [fixed_nd.get(i, max(c, key=lambda nd: (_ways(nd, placement), -cands[i].index(nd))))
-              for i, c in enumerate(cands)]
+    finest = [
+        fixed_nd.get(i, max(c, key=lambda nd: (_ways(nd, placement), -cands[i].index(nd))))
+        for i, c in enumerate(cands)
+    ]
     descend(list(start))
     descend(finest)
     if budget is not None:
@@ -318,8 +342,17 @@ def auto_layouts(
             "Raise the budget to at least that, use more devices, or shrink the batch."
         )
     return AutoLayouts(
-        jax.tree_util.tree_unflatten(treedef, cur), est, placement, spec, len(cache), paths, shapes,
-        dtypes, budget, baseline, fn,
+        jax.tree_util.tree_unflatten(treedef, cur),
+        est,
+        placement,
+        spec,
+        len(cache),
+        paths,
+        shapes,
+        dtypes,
+        budget,
+        baseline,
+        fn,
     )
 
 
@@ -328,9 +361,8 @@ def _flat_out_sbp(spec, n_out):
     if spec is None:
         return None
     leaves = jax.tree_util.tree_leaves(
-        spec, is_leaf=lambda s: s is None or isinstance(s, (str, _sbp.Sbp)) or _is_nd(s))
+        spec, is_leaf=lambda s: s is None or isinstance(s, (str, _sbp.Sbp)) or _is_nd(s)
+    )
     if len(leaves) == n_out:
         return list(leaves)
     return spec  # one nd-sbp for every output, or an error from jsbp.jit's own check
-
-

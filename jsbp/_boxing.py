@@ -64,7 +64,7 @@ class Move:
 
 
 def _innermost(splitters: tuple[int, ...], group: tuple[int, ...]) -> bool:
-    return len(splitters) >= len(group) and splitters[len(splitters) - len(group):] == group
+    return len(splitters) >= len(group) and splitters[len(splitters) - len(group) :] == group
 
 
 def _moves_from(state, shape, hierarchy, itemsize):
@@ -95,7 +95,10 @@ def _moves_from(state, shape, hierarchy, itemsize):
                     if dst == src:
                         continue
                     nxt = tuple(dst if a in group else state[a] for a in range(n))
-                    if any(x.is_partial for x in nxt) and len({x.reduce for x in nxt if x.is_partial}) > 1:
+                    if (
+                        any(x.is_partial for x in nxt)
+                        and len({x.reduce for x in nxt if x.is_partial}) > 1
+                    ):
                         continue
                     coll, cost = None, None
                     pb = piece_bytes(state, group)
@@ -169,8 +172,14 @@ def _best(src, dst, ndim, hierarchy, total, frontier=None):
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def conversion_cost(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int,
-                    latency_bytes: float) -> float:
+def conversion_cost(
+    src: tuple,
+    dst: tuple,
+    shape: tuple[int, ...],
+    hierarchy: tuple[int, ...],
+    itemsize: int,
+    latency_bytes: float,
+) -> float:
     """What the conversion ``plan`` runs costs in byte-equivalents per device: the bytes each move
     receives, ``latency_bytes`` per collective, and each local move's small fixed charge and
     addends charge (``move_cost``, ``_addends_cost``: a zero-fill S -> P is free by its bytes but
@@ -189,8 +198,14 @@ def conversion_cost(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: t
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def plan_cost(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int,
-              fixed: str = "src"):
+def plan_cost(
+    src: tuple,
+    dst: tuple,
+    shape: tuple[int, ...],
+    hierarchy: tuple[int, ...],
+    itemsize: int,
+    fixed: str = "src",
+):
     """(``move_cost`` summed over ``plan``'s moves, number of moves), without building them.
 
     ``fixed``: which end the caller holds fixed while varying the other ("src": one value costed
@@ -200,7 +215,9 @@ def plan_cost(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[i
     if src == dst:
         return 0.0, 0
     frontier = _frontier_to if fixed == "dst" else _frontier
-    cost, path = _best(src, dst, len(shape), hierarchy, float(math.prod(shape) * itemsize), frontier)
+    cost, path = _best(
+        src, dst, len(shape), hierarchy, float(math.prod(shape) * itemsize), frontier
+    )
     return cost, len(path)
 
 
@@ -300,7 +317,9 @@ def _labels(src, ndim, hierarchy, max_collectives, stop, backward=False):
         # the entry, so a path that needs such a state can enter it last
         if not backward and path and _enters_partial_extremum(path[-1]):
             continue
-        for nxt, mv, da, db, coll in preds.get(state, ()) if backward else _unit_steps(state, ndim, hierarchy):
+        for nxt, mv, da, db, coll in (
+            preds.get(state, ()) if backward else _unit_steps(state, ndim, hierarchy)
+        ):
             if backward and path and _enters_partial_extremum(mv):
                 continue
             n_used = used + coll
@@ -339,8 +358,13 @@ def _unit_steps(state, ndim, hierarchy):
     each move's cost split for the search: (next, move, bytes coefficient, fixed cost, 1 if it
     is a collective)."""
     return tuple(
-        (nxt, mv, mv.bytes_per_device + _addends_cost(state, mv, hierarchy),
-         move_cost(mv) - mv.bytes_per_device, 1 if mv.collective else 0)
+        (
+            nxt,
+            mv,
+            mv.bytes_per_device + _addends_cost(state, mv, hierarchy),
+            move_cost(mv) - mv.bytes_per_device,
+            1 if mv.collective else 0,
+        )
         for nxt, mv in _moves_from(state, (1,) * ndim, hierarchy, 1)
     )
 
@@ -355,7 +379,9 @@ def _addends_cost(state, mv: Move, hierarchy) -> float:
     if not (mv.src.is_split and mv.dst.is_partial):
         return 0.0
     k = math.prod(hierarchy[a] for a in mv.axes)
-    ways = math.prod(hierarchy[a] for a in range(len(state)) if state[a].is_split and a not in mv.axes)
+    ways = math.prod(
+        hierarchy[a] for a in range(len(state)) if state[a].is_split and a not in mv.axes
+    )
     return (k - 1) / k / ways
 
 
@@ -420,13 +446,21 @@ def _take(x, dim, table, mask, plc):
     uniform = bool((table == table[0]).all()) and (mask is None or bool((mask == mask[0]).all()))
     if uniform:
         row = table[0]
-        if mask is None and row.shape[0] == x.shape[dim] and np.array_equal(row, np.arange(row.shape[0])):
+        if (
+            mask is None
+            and row.shape[0] == x.shape[dim]
+            and np.array_equal(row, np.arange(row.shape[0]))
+        ):
             return x
     if mask is None:
         starts = _contiguous_starts(table, x.shape[dim])
-        if starts is not None:  # every device reads one run: a slice, not a gather (a copy, no index math)
+        if (
+            starts is not None
+        ):  # every device reads one run: a slice, not a gather (a copy, no index math)
             if uniform:
-                return lax.slice_in_dim(x, int(starts[0]), int(starts[0]) + table.shape[1], axis=dim)
+                return lax.slice_in_dim(
+                    x, int(starts[0]), int(starts[0]) + table.shape[1], axis=dim
+                )
             strides = _axis_strides(starts, plc.hierarchy)
             if strides is not None:  # even splits: start = sum of axis index x stride, no table
                 start = int(starts[0])
@@ -435,7 +469,9 @@ def _take(x, dim, table, mask, plc):
                         start = start + lax.axis_index(name) * stride
             else:
                 start = jnp.asarray(starts, dtype=jnp.int32)[_device_index(plc)]
-            return lax.dynamic_slice_in_dim(x, start, table.shape[1], axis=dim, allow_negative_indices=False)
+            return lax.dynamic_slice_in_dim(
+                x, start, table.shape[1], axis=dim, allow_negative_indices=False
+            )
     if uniform:
         idx = jnp.asarray(row, dtype=jnp.int32)
         m = None if mask is None else jnp.asarray(mask[0])
@@ -509,8 +545,8 @@ def _embed_table(parent_valid, chunk, k, L_parent):
         off = offsets(sizes)[c]
         row = np.zeros(L_parent, dtype=np.int64)
         mask = np.zeros(L_parent, dtype=bool)
-        row[off: off + sizes[c]] = np.arange(sizes[c])
-        mask[off: off + sizes[c]] = True
+        row[off : off + sizes[c]] = np.arange(sizes[c])
+        mask[off : off + sizes[c]] = True
         rows.append(row)
         masks.append(mask)
     return np.stack(rows), np.stack(masks)
@@ -532,7 +568,7 @@ def collective_axes(plc, axes: tuple[int, ...]):
 def gathered_to_dim(g, shape: tuple[int, ...], dim: int):
     """Blocks gathered on a new leading dim, ``(K, *shape)`` in source order, laid along ``dim``."""
     g = jnp.moveaxis(g, 0, dim)  # (..., K, shape[dim], ...)
-    return g.reshape(shape[:dim] + (g.shape[dim] * shape[dim],) + shape[dim + 1:])
+    return g.reshape(shape[:dim] + (g.shape[dim] * shape[dim],) + shape[dim + 1 :])
 
 
 def blocks_first(x, dim: int, n: int):
@@ -540,7 +576,7 @@ def blocks_first(x, dim: int, n: int):
     with row ``i`` the block device ``i`` keeps after a reduce-scatter (``x.shape`` with
     ``x.shape[dim] // n`` at ``dim`` after it)."""
     s = x.shape
-    return jnp.moveaxis(x.reshape(s[:dim] + (n, s[dim] // n) + s[dim + 1:]), dim, 0)
+    return jnp.moveaxis(x.reshape(s[:dim] + (n, s[dim] // n) + s[dim + 1 :]), dim, 0)
 
 
 def _all_gather_dim(x, axis_name, dim):
@@ -566,7 +602,7 @@ def _all_to_all_dims(x, axis_name, split, concat, n):
     ``reshard``.
     """
     s = x.shape
-    y = x.reshape(s[:split] + (n, s[split] // n) + s[split + 1:])
+    y = x.reshape(s[:split] + (n, s[split] // n) + s[split + 1 :])
     y = lax.all_to_all(y, axis_name, split, split, tiled=True)  # dim ``split``: the source device
     y = jnp.moveaxis(y, split, concat)  # orig dims before ``concat``, then (n, s[concat]), ...
     out = list(s)
@@ -639,7 +675,13 @@ def _apply_move(x, mv: Move, before: Layout, after: Layout):
         i = src.dim
         x = _all_gather_dim(x, axis_name, i)
         if not before.is_even or not after.is_even:
-            x = _take(x, i, _merge_table(after.valid_sizes(i), k, after.local_shape[i], before.local_shape[i]), None, plc)
+            x = _take(
+                x,
+                i,
+                _merge_table(after.valid_sizes(i), k, after.local_shape[i], before.local_shape[i]),
+                None,
+                plc,
+            )
         return x
     if src.is_partial and dst.is_broadcast:
         if src.reduce == "sum":
@@ -648,20 +690,40 @@ def _apply_move(x, mv: Move, before: Layout, after: Layout):
     if src.is_partial and dst.is_split:
         j = dst.dim
         if not before.is_even or not after.is_even:
-            x = _take(x, j, _split_table(before.valid_sizes(j), k, before.local_shape[j], after.local_shape[j]), None, plc)
+            x = _take(
+                x,
+                j,
+                _split_table(before.valid_sizes(j), k, before.local_shape[j], after.local_shape[j]),
+                None,
+                plc,
+            )
         return _reduce_scatter_dim(x, axis_name, j, math.prod(k))
     if src.is_split and dst.is_split:
         i, j = src.dim, dst.dim
         uneven = not before.is_even or not after.is_even
         if uneven:
-            x = _take(x, j, _split_table(before.valid_sizes(j), k, before.local_shape[j], after.local_shape[j]), None, plc)
+            x = _take(
+                x,
+                j,
+                _split_table(before.valid_sizes(j), k, before.local_shape[j], after.local_shape[j]),
+                None,
+                plc,
+            )
         x = _all_to_all_dims(x, axis_name, j, i, math.prod(k))
         if uneven:
-            x = _take(x, i, _merge_table(after.valid_sizes(i), k, after.local_shape[i], before.local_shape[i]), None, plc)
+            x = _take(
+                x,
+                i,
+                _merge_table(after.valid_sizes(i), k, after.local_shape[i], before.local_shape[i]),
+                None,
+                plc,
+            )
         return x
     if src.is_broadcast and dst.is_split:
         j = dst.dim
-        return _take(x, j, _chunk_table(before.valid_sizes(j), chunk, k, after.local_shape[j]), None, plc)
+        return _take(
+            x, j, _chunk_table(before.valid_sizes(j), chunk, k, after.local_shape[j]), None, plc
+        )
     if src.is_broadcast and dst.is_partial:
         if dst.reduce != "sum":
             return x
@@ -686,11 +748,19 @@ def run_plan(x, moves, src_layout: Layout):
     # runs on the values' bits, which an integer sum of them and zeros keeps exactly (a float
     # all-reduce starts from +0.0: a -0.0 would come back +0.0)
     bits = None
-    if not empty and not lay.partial_axes and _real_floating(x.dtype) and any(
-            mv.dst.is_partial and not mv.src.is_partial for mv in moves):
+    if (
+        not empty
+        and not lay.partial_axes
+        and _real_floating(x.dtype)
+        and any(mv.dst.is_partial and not mv.src.is_partial for mv in moves)
+    ):
         bits, wide = x.dtype, None
         x = _to_bits(x)
-    summing = [i for i, mv in enumerate(moves) if mv.collective and mv.src.is_partial and mv.src.reduce == "sum"]
+    summing = [
+        i
+        for i, mv in enumerate(moves)
+        if mv.collective and mv.src.is_partial and mv.src.reduce == "sum"
+    ]
     narrow = x.dtype
     for i, mv in enumerate(moves):
         if wide is not None and summing and i == summing[0]:
@@ -714,7 +784,9 @@ def _to_bits(x):
     """A float block as unsigned integers holding its bits (at least 32 wide: collectives of
     narrower integers are not on every backend)."""
     size = np.dtype(x.dtype).itemsize
-    u = lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[size])
+    u = lax.bitcast_convert_type(
+        x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[size]
+    )
     return u.astype(jnp.uint32) if size < 4 else u
 
 
@@ -727,7 +799,9 @@ def _from_bits(u, dtype):
 
 def make_local_boxer(src: Layout, dst: Layout, dtype):
     """A function local_block -> local_block (physical blocks, partial dim included) for shard_map."""
-    moves = plan(src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, np.dtype(dtype).itemsize)
+    moves = plan(
+        src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, np.dtype(dtype).itemsize
+    )
     if math.prod(src.shape) == 0:  # nothing to move: every block is empty
         out_block = ((1,) if dst.partial_axes else ()) + dst.local_shape
         return (lambda x: jnp.zeros(out_block, x.dtype)), ()

@@ -61,7 +61,9 @@ def lazy_ok(st) -> bool:
         return True
     if st.kind != "call" or st.sub.out_boxings:
         return False
-    return all(not s.boxings and s.kind in ("prim", "annotate", "call") for _, s in iter_steps(st.sub))
+    return all(
+        not s.boxings and s.kind in ("prim", "annotate", "call") for _, s in iter_steps(st.sub)
+    )
 
 
 def _group_key(bx, v):
@@ -138,7 +140,11 @@ def combine_collectives(prog) -> None:
                 pending[bx.operand] = {gid} & open_ids
                 continue
             close(pending[bx.operand])  # converted here: its groups run first
-            key = _group_key(bx, v) if ok and v not in nested_read and (v, bx.dst.nd_sbp) not in via_read else None
+            key = (
+                _group_key(bx, v)
+                if ok and v not in nested_read and (v, bx.dst.nd_sbp) not in via_read
+                else None
+            )
             if key is None:
                 pending[bx.operand] = set()
                 continue
@@ -154,7 +160,9 @@ def combine_collectives(prog) -> None:
     # the outputs' conversions (ZeRO-1/2's updated parameters gathered back to B, a loss reduced
     # at the end): nothing reads them, so each joins the open group of its kind (a loss's
     # all-reduce with the gradients') once the groups its value waits for are closed
-    for bx in prog.out_boxings:  # (one per output; a repeated output's is ``reused``: ``_group_key``)
+    for (
+        bx
+    ) in prog.out_boxings:  # (one per output; a repeated output's is ``reused``: ``_group_key``)
         v = prog.jaxpr.outvars[bx.operand]
         key = _group_key(bx, v)
         if key is not None:
@@ -202,7 +210,11 @@ def _schedule(prog) -> list[tuple[str, int]]:
     first_reader = {g: len(steps) for g in members}
     last_effect = None
     for k, st in enumerate(steps):
-        d = {("step", producer[v]) for v in st.eqn.invars if not isinstance(v, jcore.Literal) and v in producer}
+        d = {
+            ("step", producer[v])
+            for v in st.eqn.invars
+            if not isinstance(v, jcore.Literal) and v in producer
+        }
         for bx in st.boxings:
             v = st.eqn.invars[bx.operand]
             if isinstance(v, jcore.Literal):
@@ -217,7 +229,9 @@ def _schedule(prog) -> list[tuple[str, int]]:
             last_effect = k
         deps[("step", k)] = d
     for g, vs in members.items():
-        deps[("group", g)] = {("step", producer[v]) for v in vs if not isinstance(v, jcore.Literal) and v in producer}
+        deps[("group", g)] = {
+            ("step", producer[v]) for v in vs if not isinstance(v, jcore.Literal) and v in producer
+        }
     users: dict = {}
     for node, d in deps.items():
         for u in d:
@@ -257,7 +271,9 @@ def run_group(placement, members: list) -> list:
     if mv.collective == "all-reduce":
         outs = _all_reduce_many([x for _, x in members], axis)
     elif mv.collective == "reduce-scatter":
-        outs = _reduce_scatter_many([(x, bx.dst.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
+        outs = _reduce_scatter_many(
+            [(x, bx.dst.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n
+        )
     else:
         outs = _all_gather_many([(x, bx.src.nd_sbp[mv.axes[0]].dim) for bx, x in members], axis, n)
     if half is not None:
@@ -270,7 +286,7 @@ def _all_reduce_many(xs: list, axis) -> list:
     red = lax.psum(jnp.concatenate([x.reshape(-1) for x in xs]), axis)
     outs, start = [], 0
     for x in xs:
-        outs.append(red[start:start + x.size].reshape(x.shape))
+        outs.append(red[start : start + x.size].reshape(x.shape))
         start += x.size
     return outs
 
@@ -286,7 +302,7 @@ def _reduce_scatter_many(items: list[tuple[Any, int]], axis, n: int) -> list:
     outs, start = [], 0
     for block in blocks:
         size = math.prod(block)
-        outs.append(red[0, start:start + size].reshape(block))
+        outs.append(red[0, start : start + size].reshape(block))
         start += size
     return outs
 
@@ -297,6 +313,8 @@ def _all_gather_many(items: list[tuple[Any, int]], axis, n: int) -> list:
     got = lax.all_gather(flat, axis, axis=0, tiled=True)  # (n, total): row i from device i
     outs, start = [], 0
     for x, d in items:
-        outs.append(gathered_to_dim(got[:, start:start + x.size].reshape((n,) + x.shape), x.shape, d))
+        outs.append(
+            gathered_to_dim(got[:, start : start + x.size].reshape((n,) + x.shape), x.shape, d)
+        )
         start += x.size
     return outs

@@ -73,12 +73,19 @@ def _boxing(i, src: Layout, dst: Layout, aval) -> Boxing | None:
     """The planned conversion of operand ``i`` from ``src`` to ``dst`` (None if they agree)."""
     if src.nd_sbp == dst.nd_sbp:
         return None
-    return Boxing(i, src, dst, plan(src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, _itemsize(aval)))
+    return Boxing(
+        i,
+        src,
+        dst,
+        plan(src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, _itemsize(aval)),
+    )
 
 
 def _moves_cost(moves) -> float:
     """Bytes per device plus a fixed latency per collective (what really moves)."""
-    return sum(m.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if m.collective else 0.0) for m in moves)
+    return sum(
+        m.bytes_per_device + (COLLECTIVE_LATENCY_BYTES if m.collective else 0.0) for m in moves
+    )
 
 
 SMALL_PARTIAL_BYTES = COLLECTIVE_LATENCY_BYTES / 256
@@ -96,7 +103,11 @@ _IN_BODY = contextvars.ContextVar("jsbp_in_loop_body", default=False)
 def _charge(src, dst, shape, hier, size, fixed="src") -> tuple[float, int]:
     """``plan_cost`` as signature choice sees it (``SMALL_PARTIAL_BYTES``)."""
     cn = plan_cost(src, dst, shape, hier, size, fixed)
-    if _IN_BODY.get() and any(x.is_partial for x in src) and math.prod(shape) * size <= SMALL_PARTIAL_BYTES:
+    if (
+        _IN_BODY.get()
+        and any(x.is_partial for x in src)
+        and math.prod(shape) * size <= SMALL_PARTIAL_BYTES
+    ):
         whole = tuple(B if x.is_partial else x for x in src)
         if whole != dst:
             via = plan_cost(src, whole, shape, hier, size, fixed)
@@ -106,13 +117,25 @@ def _charge(src, dst, shape, hier, size, fixed="src") -> tuple[float, int]:
 
 
 _NO_BUDGET = float("inf")
-_CHOICES, _OPTIONS, _EQN, _AS_IS = object(), object(), object(), object()  # private keys of ``_Inference.cands_cache`` / ``.choices``
+_CHOICES, _OPTIONS, _EQN, _AS_IS = (
+    object(),
+    object(),
+    object(),
+    object(),
+)  # private keys of ``_Inference.cands_cache`` / ``.choices``
 
 
 class _Inference:
-    def __init__(self, placement, demand: dict | None = None, cands_cache: dict | None = None,
-                 anchored: frozenset = frozenset(), budget: float = _NO_BUDGET, strict: bool = False,
-                 copies: dict | None = None):
+    def __init__(
+        self,
+        placement,
+        demand: dict | None = None,
+        cands_cache: dict | None = None,
+        anchored: frozenset = frozenset(),
+        budget: float = _NO_BUDGET,
+        strict: bool = False,
+        copies: dict | None = None,
+    ):
         self.placement = placement
         # call equation -> its jaxpr with fresh variables (``_problem.fresh_vars``); shared by the passes of
         # one ``infer`` like ``cands_cache``, so that what one pass learns of a value inside an
@@ -191,7 +214,9 @@ class _Inference:
         and the readers that follow slice or convert from it (one all-reduce serving a reader
         that wants ``(S(0), B)`` and one that wants ``(B, B)``, not a reduce-scatter and an
         all-reduce)."""
-        hub = None if self.depth != 1 or isinstance(v, jcore.Literal) else self.hubs.get(self.key(v))
+        hub = (
+            None if self.depth != 1 or isinstance(v, jcore.Literal) else self.hubs.get(self.key(v))
+        )
         # (not when the operand is in ``dst`` already: nothing to convert, through a hub or not)
         if hub is not None and hub not in (cur.nd_sbp, dst.nd_sbp) and cur.nd_sbp != dst.nd_sbp:
             held = self.held(v)
@@ -264,7 +289,9 @@ class _Inference:
         name = eqn.primitive.name
         cur = [self.read(env, v) for v in eqn.invars]
         handler = _static_handler(eqn)
-        if name in _ARG_EXTREMA and any(x.is_split and x.dim in eqn.params["axes"] for x in cur[0].nd_sbp):
+        if name in _ARG_EXTREMA and any(
+            x.is_split and x.dim in eqn.params["axes"] for x in cur[0].nd_sbp
+        ):
             handler = _infer_arg_extremum
         elif name in _SCANS and _scan_blocks(eqn, cur[0]) > 1:
             handler = _infer_blocked_scan
@@ -298,11 +325,15 @@ class _Inference:
         if rule is None:
             if self.strict:
                 shapes = ", ".join(f"{tuple(v.aval.shape)}" for v in eqn.invars)
-                _registry.get_rule(name, op_desc=f" (operands of shape {shapes} on {self.placement})")
+                _registry.get_rule(
+                    name, op_desc=f" (operands of shape {shapes} on {self.placement})"
+                )
             rule = _registry.replicated_rule(name)
         legal = legal_signatures(self.placement, rule, eqn, tuple(cur))
         if not legal:
-            lays = ", ".join(f"{tuple(v.aval.shape)} {_sbp.nd_str(l.nd_sbp)}" for v, l in zip(eqn.invars, cur))
+            lays = ", ".join(
+                f"{tuple(v.aval.shape)} {_sbp.nd_str(l.nd_sbp)}" for v, l in zip(eqn.invars, cur)
+            )
             raise SbpError(
                 f"no legal SBP signature for '{name}' on {self.placement} with operands {lays}; "
                 "the rule offers none for these shapes. Box an operand with jsbp.to_global(..., sbp=...) "
@@ -322,19 +353,24 @@ class _Inference:
                 self.followed.add(id(eqn))
                 return sig
         if avail is None:
+
             def avail(v, nd):
                 return _asked_by_another(self.demand, v, nd, eqn)
+
         # fast path: a signature that needs no boxing (inputs as they are, outputs as wanted) wins
         # outright; only the tie-breakers rank those
         base = cands
         cur_nd = tuple(l.nd_sbp for l in cur)
-        as_is = self._memo((_AS_IS, id(base), cur_nd), base, lambda: [(i, o) for i, o in base if i == cur_nd])
+        as_is = self._memo(
+            (_AS_IS, id(base), cur_nd), base, lambda: [(i, o) for i, o in base if i == cur_nd]
+        )
         if as_is and eqn.primitive.name in _COMPUTE_HEAVY:
             # bytes are not the whole cost here: gathering the operands of a matmul to save a
             # reduction of its result would repeat the whole product on every device
             cands = as_is
         free = [
-            (ins, outs) for ins, outs in as_is
+            (ins, outs)
+            for ins, outs in as_is
             if all(
                 isinstance(v, jcore.DropVar) or all(w == nd for w in demand.get(v, ()))
                 for nd, v in zip(outs, eqn.outvars)
@@ -346,13 +382,16 @@ class _Inference:
             return cands[0]
         # (the candidates above keep every operand as it is, anchored ones included)
         pinned = [
-            (i, cur_nd[i]) for i, v in enumerate(eqn.invars)
+            (i, cur_nd[i])
+            for i, v in enumerate(eqn.invars)
             if self.anchored and not isinstance(v, jcore.Literal) and self.key(v) in self.anchored
         ]
 
         def cheapest(sub, tag):
             key = self._choice_key(eqn, base, cur_nd, demand, reuse, avail, (tag, tuple(pinned)))
-            return self._memo(key, base, lambda: self._cheapest(eqn, cur, sub, demand, reuse, avail))
+            return self._memo(
+                key, base, lambda: self._cheapest(eqn, cur, sub, demand, reuse, avail)
+            )
 
         if not pinned:
             return cheapest(cands, "all")
@@ -383,8 +422,11 @@ class _Inference:
         small-partial charge is on (``_IN_BODY``). Equal keys rank equally: the repeated layers of
         a model are ranked once. ``tag``: which subset of ``base`` is ranked (a function of the
         rest of the key)."""
-        opts = self._memo((_OPTIONS, id(base)), base,
-                          lambda: [dict.fromkeys(ins[i] for ins, _ in base) for i in range(len(cur_nd))])
+        opts = self._memo(
+            (_OPTIONS, id(base)),
+            base,
+            lambda: [dict.fromkeys(ins[i] for ins, _ in base) for i in range(len(cur_nd))],
+        )
         ops = []
         for i, v in enumerate(eqn.invars):
             if isinstance(v, jcore.Literal):
@@ -395,7 +437,9 @@ class _Inference:
             src = cur_nd[i]
             free = tuple(nd for nd in opts[i] if nd != src and nd not in held and avail(k, nd))
             ops.append((tuple(held), free))
-        wants = tuple(None if isinstance(v, jcore.DropVar) else tuple(demand.get(v, ())) for v in eqn.outvars)
+        wants = tuple(
+            None if isinstance(v, jcore.DropVar) else tuple(demand.get(v, ())) for v in eqn.outvars
+        )
         return (id(base), cur_nd, tuple(ops), wants, reuse, _IN_BODY.get(), tag)
 
     def _cheapest(self, eqn, cur, cands, demand, reuse, avail):
@@ -407,10 +451,19 @@ class _Inference:
         ops = []
         for lay, v in zip(cur, eqn.invars):
             lit = isinstance(v, jcore.Literal)
-            ops.append((lay.nd_sbp, lay.shape, _itemsize(v.aval), None if lit else self.key(v),
-                        self.held(v) if reuse else {}))
+            ops.append(
+                (
+                    lay.nd_sbp,
+                    lay.shape,
+                    _itemsize(v.aval),
+                    None if lit else self.key(v),
+                    self.held(v) if reuse else {},
+                )
+            )
         wanted = [
-            () if isinstance(v, jcore.DropVar) else (demand.get(v, ()), tuple(v.aval.shape), _itemsize(v.aval))
+            ()
+            if isinstance(v, jcore.DropVar)
+            else (demand.get(v, ()), tuple(v.aval.shape), _itemsize(v.aval))
             for v in eqn.outvars
         ]
 
@@ -498,8 +551,11 @@ class _Inference:
 
     def demand_of(self, eqn, table) -> dict:
         """The wanted layouts of ``eqn``'s outputs, by output var, from a value -> layouts table."""
-        return {v: table[k] for v in eqn.outvars
-                if not isinstance(v, jcore.DropVar) and (k := self.key(v)) in table}
+        return {
+            v: table[k]
+            for v in eqn.outvars
+            if not isinstance(v, jcore.DropVar) and (k := self.key(v)) in table
+        }
 
     def backward_demand(self, out_vars, out_nd) -> dict:
         """Walk the recorded top-scope decisions backwards: each equation, knowing what its
@@ -517,8 +573,10 @@ class _Inference:
         for entry in self.trace:
             if entry[0] == "prim" and len(entry[1].outvars) == 1:
                 _, eqn, cur, cands = entry
-                operands = tuple((None if isinstance(u, jcore.Literal) else self.key(u), lay.nd_sbp)
-                                 for u, lay in zip(eqn.invars, cur))
+                operands = tuple(
+                    (None if isinstance(u, jcore.Literal) else self.key(u), lay.nd_sbp)
+                    for u, lay in zip(eqn.invars, cur)
+                )
                 made[self.key(eqn.outvars[0])] = (eqn, operands, cands)
         by_out: dict = {}  # id(candidates) -> output nd-sbp -> the operand layouts giving it
 
@@ -550,7 +608,11 @@ class _Inference:
             if asks is not None and asks.get(nd):
                 return True
             asks = prior.get(v)  # ``_asked_by_another(prior, v, nd, by)``, inlined: the hot path
-            if asks is not None and (askers := asks.get(nd)) and (len(askers) > 1 or by not in askers):
+            if (
+                asks is not None
+                and (askers := asks.get(nd))
+                and (len(askers) > 1 or by not in askers)
+            ):
                 return True
             if depth == 0 or (m := made.get(v)) is None:
                 return False
@@ -583,8 +645,14 @@ class _Inference:
             demand = self.demand_of(eqn, want)
             ins = _carry_through(eqn, cands, demand)
             if ins is None:
-                ins, _ = self.choose(eqn, cur, cands, demand, reuse=False,
-                                     avail=functools.partial(avail, PRODUCER_DEPTH, eqn))
+                ins, _ = self.choose(
+                    eqn,
+                    cur,
+                    cands,
+                    demand,
+                    reuse=False,
+                    avail=functools.partial(avail, PRODUCER_DEPTH, eqn),
+                )
             for v, nd in zip(eqn.invars, ins):
                 ask(v, nd, eqn)
         # ``avail`` calls itself through its closure: a reference cycle that would keep ``made``,
@@ -605,7 +673,8 @@ def _tie_break(ins, outs, naxes) -> tuple[int, int]:
     the consumers, which slice B for free anyway)."""
     n_partial_out = sum(x.is_partial for nd in outs for x in nd)
     n_new_split = sum(
-        1 for a in range(naxes)
+        1
+        for a in range(naxes)
         if any(nd[a].is_split for nd in outs) and not any(nd[a].is_split for nd in ins)
     )
     return n_partial_out, n_new_split
@@ -657,8 +726,12 @@ def _eqn_key(eqn):
     """What a rule's signatures depend on: the primitive, its parameters and the operand types
     (equal for the many equations of a program that do the same thing to the same shapes)."""
     try:
-        key = (eqn.primitive, tuple(sorted(eqn.params.items())),
-               tuple(v.aval for v in eqn.invars), tuple(v.aval for v in eqn.outvars))
+        key = (
+            eqn.primitive,
+            tuple(sorted(eqn.params.items())),
+            tuple(v.aval for v in eqn.invars),
+            tuple(v.aval for v in eqn.outvars),
+        )
         hash(key)
         return key
     except TypeError:  # an unhashable parameter: this equation alone
@@ -745,15 +818,19 @@ def _blocked_scan_jaxpr(eqn, k: int):
     d, reverse = eqn.params["axis"], eqn.params["reverse"]
     (x_aval,) = [v.aval for v in eqn.invars]
     name = eqn.primitive.name
-    op = {"cumsum": lax.cumsum, "cumprod": lax.cumprod, "cummax": lax.cummax, "cummin": lax.cummin}[name]
+    op = {"cumsum": lax.cumsum, "cumprod": lax.cumprod, "cummax": lax.cummax, "cummin": lax.cummin}[
+        name
+    ]
     combine = {"cumsum": lax.add, "cumprod": lax.mul, "cummax": lax.max, "cummin": lax.min}[name]
 
     def blocked(x):
         shape = x.shape
-        y = x.reshape(shape[:d] + (k, shape[d] // k) + shape[d + 1:])
+        y = x.reshape(shape[:d] + (k, shape[d] // k) + shape[d + 1 :])
         c = op(y, axis=d + 1, reverse=reverse)
         last = 0 if reverse else -1
-        tot = lax.index_in_dim(c, last if last >= 0 else c.shape[d + 1] - 1, axis=d + 1, keepdims=False)
+        tot = lax.index_in_dim(
+            c, last if last >= 0 else c.shape[d + 1] - 1, axis=d + 1, keepdims=False
+        )
         incl = op(tot, axis=d, reverse=reverse)
         # exclusive: the combination of the blocks before this one (identity for the first)
         first = lax.full_like(lax.index_in_dim(incl, 0, axis=d), _scan_identity(name, x.dtype))
@@ -806,7 +883,7 @@ def _blocked_reduce_jaxpr(eqn, d: int, k: int):
 
     def blocked(x):
         shape = x.shape
-        y = x.reshape(shape[:d] + (k, shape[d] // k) + shape[d + 1:])
+        y = x.reshape(shape[:d] + (k, shape[d] // k) + shape[d + 1 :])
         inner = tuple(a + 1 if a > d else a for a in axes if a != d) + (d + 1,)
         per_block = prim.bind(y, **dict(params, axes=tuple(sorted(inner))))
         # the block dim ``d`` is now at ``d`` minus the reduced dims before it
@@ -821,7 +898,9 @@ def _infer_blocked_reduce(inf: _Inference, eqn, cur):
     """A product / logical reduction over an evenly split dim: ``_blocked_reduce_jaxpr`` (a
     collective of the per-block results only) instead of gathering the operand."""
     d, k = _reduce_blocks(eqn, cur[0])
-    return _inline(inf, eqn, cur, ("blocked_reduce", eqn, d, k), lambda: _blocked_reduce_jaxpr(eqn, d, k))
+    return _inline(
+        inf, eqn, cur, ("blocked_reduce", eqn, d, k), lambda: _blocked_reduce_jaxpr(eqn, d, k)
+    )
 
 
 def _alias_outputs(alias, outer_outs, inner_outs):
@@ -839,7 +918,9 @@ def _unsplit_dim0(nd):
     return tuple(B if (x.is_split and x.dim == 0) else x for x in nd)
 
 
-def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_out_offset=0, trips: int = 1):
+def _infer_loop_carry(
+    inf, make_sub, carry_init: list[Layout], avals, n_carry_out_offset=0, trips: int = 1
+):
     """Fixed point for loop carries. ``make_sub(carry, force)`` infers the body with the given carry
     layouts; ``force`` boxes the carry outputs back to them. The init layouts are kept when the
     body gives them back. Otherwise the candidates are: the layouts the body produces on its own
@@ -853,7 +934,7 @@ def _infer_loop_carry(inf, make_sub, carry_init: list[Layout], avals, n_carry_ou
     n = len(carry_init)
 
     def outs_of(sub):
-        return sub.out_layouts[n_carry_out_offset: n_carry_out_offset + n]
+        return sub.out_layouts[n_carry_out_offset : n_carry_out_offset + n]
 
     def gives_back(sub, carry):
         return all(o.nd_sbp == c.nd_sbp for o, c in zip(outs_of(sub), carry))
@@ -886,8 +967,10 @@ def _loop_carry_options(inf, make_sub, carry_init, avals, free, outs_of, gives_b
     ndim = inf.placement.ndim
     seen = {tuple(c.nd_sbp for c in carry_init), tuple(c.nd_sbp for c in trial)}
     for mask in range(1, (1 << ndim) - 1):
-        mix = [inf.lay(tuple(t.nd_sbp[a] if mask >> a & 1 else c.nd_sbp[a] for a in range(ndim)), aval)
-               for c, t, aval in zip(carry_init, trial, avals)]
+        mix = [
+            inf.lay(tuple(t.nd_sbp[a] if mask >> a & 1 else c.nd_sbp[a] for a in range(ndim)), aval)
+            for c, t, aval in zip(carry_init, trial, avals)
+        ]
         key = tuple(m.nd_sbp for m in mix)
         if key in seen or not all(one_partial_kind(m.nd_sbp) for m in mix):
             continue
@@ -913,9 +996,13 @@ def _body_program(inf: _Inference, jaxpr, consts, in_layouts, out_nd=None) -> Pr
     strictness): the passes of the enclosing program share the plan (read-only). (The global
     planner plans the body with the rest of the program: ``_planner._inline_loop``.)"""
     plans = _BODY_PLANS.get()
-    key = (id(jaxpr), tuple(map(id, consts)), tuple((l.nd_sbp, l.shape) for l in in_layouts),
-           None if out_nd is None else tuple(None if nd is None else tuple(nd) for nd in out_nd),
-           inf.strict)
+    key = (
+        id(jaxpr),
+        tuple(map(id, consts)),
+        tuple((l.nd_sbp, l.shape) for l in in_layouts),
+        None if out_nd is None else tuple(None if nd is None else tuple(nd) for nd in out_nd),
+        inf.strict,
+    )
     hit = None if plans is None else plans.get(key)
     if hit is not None and hit[0] is jaxpr and all(a is b for a, b in zip(hit[1], consts)):
         return hit[2]
@@ -936,28 +1023,41 @@ def _infer_scan(inf: _Inference, eqn, cur):
         return _follow_loop(inf, eqn, cur, plan)
     closed = p["jaxpr"]
     consts_l = cur[:nc]
-    xs_l = cur[nc + nk:]
+    xs_l = cur[nc + nk :]
     boxings = []
     xs_need = []
-    for i, (lay, v) in enumerate(zip(xs_l, eqn.invars[nc + nk:])):
+    for i, (lay, v) in enumerate(zip(xs_l, eqn.invars[nc + nk :])):
         want = inf.lay(_unsplit_dim0(lay.nd_sbp), v.aval)
         if (bx := inf.box(nc + nk + i, lay, want, v.aval)) is not None:
             boxings.append(bx)
         xs_need.append(want)
-    x_slice = [inf.lay(_shift_split(l.nd_sbp, -1), bv.aval) for l, bv in zip(xs_need, closed.jaxpr.invars[nc + nk:])]
+    x_slice = [
+        inf.lay(_shift_split(l.nd_sbp, -1), bv.aval)
+        for l, bv in zip(xs_need, closed.jaxpr.invars[nc + nk :])
+    ]
 
     def make_sub(carry, force):
         body_out = [None] * (len(closed.jaxpr.outvars))
         for i in range(nk):
             body_out[i] = carry[i].nd_sbp if force else None
-        return _body_program(inf, closed.jaxpr, closed.consts, list(consts_l) + list(carry) + x_slice, body_out)
+        return _body_program(
+            inf, closed.jaxpr, closed.consts, list(consts_l) + list(carry) + x_slice, body_out
+        )
 
     def ys_of(sub):
-        return [inf.lay(_shift_split(l.nd_sbp, +1), v.aval) for l, v in zip(sub.out_layouts[nk:], eqn.outvars[nk:])]
+        return [
+            inf.lay(_shift_split(l.nd_sbp, +1), v.aval)
+            for l, v in zip(sub.out_layouts[nk:], eqn.outvars[nk:])
+        ]
 
-    carry, sub = _infer_loop_carry(inf, make_sub, cur[nc: nc + nk], [v.aval for v in eqn.invars[nc: nc + nk]],
-                                   trips=p["length"])
-    for i, (c, want, v) in enumerate(zip(cur[nc: nc + nk], carry, eqn.invars[nc: nc + nk])):
+    carry, sub = _infer_loop_carry(
+        inf,
+        make_sub,
+        cur[nc : nc + nk],
+        [v.aval for v in eqn.invars[nc : nc + nk]],
+        trips=p["length"],
+    )
+    for i, (c, want, v) in enumerate(zip(cur[nc : nc + nk], carry, eqn.invars[nc : nc + nk])):
         if (bx := inf.box(nc + i, c, want, v.aval)) is not None:
             boxings.append(bx)
     in_lays = list(consts_l) + list(carry) + xs_need
@@ -976,10 +1076,14 @@ def _box_to(inf: _Inference, eqn, cur, first: int, nds) -> tuple[list[Layout], l
     return lays, boxings
 
 
-def _follow_body(inf: _Inference, plan, closed, in_layouts, out_nd, in_body: bool) -> tuple[Program, bool]:
+def _follow_body(
+    inf: _Inference, plan, closed, in_layouts, out_nd, in_body: bool
+) -> tuple[Program, bool]:
     """An inlined body planned by a pass following its decisions (``_planner.BodyPlan``), with the
     candidates and inlined calls of its reference pass; and whether every decision was followed."""
-    body = _Inference(inf.placement, None, plan.ref.cands_cache, strict=inf.strict, copies=plan.ref.copies)
+    body = _Inference(
+        inf.placement, None, plan.ref.cands_cache, strict=inf.strict, copies=plan.ref.copies
+    )
     body.fixed, body.hubs = plan.fixed, plan.hubs
     token = _IN_BODY.set(in_body)
     try:
@@ -1004,16 +1108,26 @@ def _follow_loop(inf: _Inference, eqn, cur, plan):
         nk = len(eqn.invars) - first - nc
     lays, boxings = _box_to(inf, eqn, cur, first, [*plan.consts, *plan.carry, *plan.xs])
     ins = lays[first:]
-    x_slice = [inf.lay(_shift_split(l.nd_sbp, -1), bv.aval) for l, bv in zip(ins[nc + nk:], closed.jaxpr.invars[nc + nk:])]
-    sub, followed = _follow_body(inf, plan.body, closed, ins[: nc + nk] + x_slice, [*plan.carry, *plan.ys], True)
+    x_slice = [
+        inf.lay(_shift_split(l.nd_sbp, -1), bv.aval)
+        for l, bv in zip(ins[nc + nk :], closed.jaxpr.invars[nc + nk :])
+    ]
+    sub, followed = _follow_body(
+        inf, plan.body, closed, ins[: nc + nk] + x_slice, [*plan.carry, *plan.ys], True
+    )
     if followed:
         inf.followed.add(("loop", id(eqn)))
-    carry = ins[nc: nc + nk]
+    carry = ins[nc : nc + nk]
     if not scan:
         cj = p["cond_jaxpr"]
-        cond = inf.program(cj.jaxpr, cj.consts, lays[:first] + carry, out_nd=[(B,) * inf.placement.ndim])
+        cond = inf.program(
+            cj.jaxpr, cj.consts, lays[:first] + carry, out_nd=[(B,) * inf.placement.ndim]
+        )
         return Step(eqn, lays, carry, boxings, sub=(cond, sub), kind="while")
-    ys = [inf.lay(_shift_split(l.nd_sbp, +1), v.aval) for l, v in zip(sub.out_layouts[nk:], eqn.outvars[nk:])]
+    ys = [
+        inf.lay(_shift_split(l.nd_sbp, +1), v.aval)
+        for l, v in zip(sub.out_layouts[nk:], eqn.outvars[nk:])
+    ]
     return Step(eqn, lays, carry + ys, boxings, sub=sub, kind="scan")
 
 
@@ -1023,19 +1137,35 @@ def _infer_while(inf: _Inference, eqn, cur):
         return _follow_loop(inf, eqn, cur, plan)
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
-    cconsts, bconsts, init = cur[:cn], cur[cn: cn + bn], cur[cn + bn:]
+    cconsts, bconsts, init = cur[:cn], cur[cn : cn + bn], cur[cn + bn :]
 
     def make_sub(carry, force):
-        return _body_program(inf, bj.jaxpr, bj.consts, list(bconsts) + list(carry),
-                             [c.nd_sbp for c in carry] if force else None)
+        return _body_program(
+            inf,
+            bj.jaxpr,
+            bj.consts,
+            list(bconsts) + list(carry),
+            [c.nd_sbp for c in carry] if force else None,
+        )
 
-    carry, body = _infer_loop_carry(inf, make_sub, init, [v.aval for v in eqn.invars[cn + bn:]], trips=WHILE_TRIPS)
-    cond = inf.program(cj.jaxpr, cj.consts, list(cconsts) + list(carry), out_nd=[(B,) * inf.placement.ndim])
+    carry, body = _infer_loop_carry(
+        inf, make_sub, init, [v.aval for v in eqn.invars[cn + bn :]], trips=WHILE_TRIPS
+    )
+    cond = inf.program(
+        cj.jaxpr, cj.consts, list(cconsts) + list(carry), out_nd=[(B,) * inf.placement.ndim]
+    )
     boxings = []
-    for i, (c, want, v) in enumerate(zip(init, carry, eqn.invars[cn + bn:])):
+    for i, (c, want, v) in enumerate(zip(init, carry, eqn.invars[cn + bn :])):
         if (bx := inf.box(cn + bn + i, c, want, v.aval)) is not None:
             boxings.append(bx)
-    return Step(eqn, list(cconsts) + list(bconsts) + list(carry), list(carry), boxings, sub=(cond, body), kind="while")
+    return Step(
+        eqn,
+        list(cconsts) + list(bconsts) + list(carry),
+        list(carry),
+        boxings,
+        sub=(cond, body),
+        kind="while",
+    )
 
 
 def _infer_cond(inf: _Inference, eqn, cur):
@@ -1052,7 +1182,9 @@ def _infer_cond(inf: _Inference, eqn, cur):
     subs = [first] + [_branch_program(inf, b, ops, out_nd) for b in branches[1:]]
     if len(branches) > 1:
         subs = _cond_results_choice(inf, eqn, cur, subs)
-    return Step(eqn, [idx_want] + list(ops), list(subs[0].out_layouts), boxings, sub=subs, kind="cond")
+    return Step(
+        eqn, [idx_want] + list(ops), list(subs[0].out_layouts), boxings, sub=subs, kind="cond"
+    )
 
 
 def _follow_cond(inf: _Inference, eqn, cur, plan):
@@ -1063,8 +1195,10 @@ def _follow_cond(inf: _Inference, eqn, cur, plan):
     lays, boxings = _box_to(inf, eqn, [idx_want, *cur[1:]], 1, plan.ops)
     if (bx := inf.box(0, cur[0], idx_want, eqn.invars[0].aval)) is not None:
         boxings.insert(0, bx)
-    done = [_follow_body(inf, branch, closed, lays[1:], list(plan.results), False)
-            for closed, branch in zip(eqn.params["branches"], plan.branches)]
+    done = [
+        _follow_body(inf, branch, closed, lays[1:], list(plan.results), False)
+        for closed, branch in zip(eqn.params["branches"], plan.branches)
+    ]
     if all(followed for _, followed in done):
         inf.followed.add(("cond", id(eqn)))
     subs = [sub for sub, _ in done]
@@ -1083,7 +1217,10 @@ def _cond_results_choice(inf: _Inference, eqn, cur, subs):
     one first. (The global planner chooses them with the branches' equations and the rest of the
     program instead: ``_planner._inline_cond``.)"""
     hier = inf.placement.hierarchy
-    wanted = [() if isinstance(v, jcore.DropVar) else tuple(inf.demand.get(inf.key(v), ())) for v in eqn.outvars]
+    wanted = [
+        () if isinstance(v, jcore.DropVar) else tuple(inf.demand.get(inf.key(v), ()))
+        for v in eqn.outvars
+    ]
 
     def exits(option):
         cost = 0.0
@@ -1106,7 +1243,12 @@ def _cond_results_choice(inf: _Inference, eqn, cur, subs):
         nd = tuple(l.nd_sbp for l in lays)
         if nd not in seen:
             seen.add(nd)
-            options.append([sub if j == i else _branch_program(inf, b, ops, list(nd)) for j, b in enumerate(branches)])
+            options.append(
+                [
+                    sub if j == i else _branch_program(inf, b, ops, list(nd))
+                    for j, b in enumerate(branches)
+                ]
+            )
     body = [first_cost] + [sum(program_cost(sub) for sub in o) for o in options[1:]]
     return options[min(range(len(options)), key=lambda i: body[i] + exits(options[i]))]
 
@@ -1156,7 +1298,9 @@ def _infer_sharding_request(inf: _Inference, eqn, cur):
     if nd is None:
         return Step(eqn, list(cur), list(cur), [], kind="annotate")
     want = inf.lay(nd, eqn.invars[0].aval)
-    return Step(eqn, [want], [want], inf.box_operand(0, cur[0], want, eqn.invars[0]), kind="annotate")
+    return Step(
+        eqn, [want], [want], inf.box_operand(0, cur[0], want, eqn.invars[0]), kind="annotate"
+    )
 
 
 _HIGHER_ORDER = {
@@ -1167,8 +1311,18 @@ _HIGHER_ORDER = {
     "jsbp_to_global": _infer_annotate,
     **dict.fromkeys(("reshard", "sharding_constraint"), _infer_sharding_request),
 }
-for _n in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-           "custom_vjp_call_jaxpr", "remat", "checkpoint", "custom_lin"):
+for _n in (
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "remat",
+    "checkpoint",
+    "custom_lin",
+):
     _HIGHER_ORDER.setdefault(_n, _infer_call)
 
 
@@ -1193,7 +1347,9 @@ def _apply_boxings(vals, boxings, invars=None, cache=None):
     return vals
 
 
-def run_program(prog: Program, local_inputs: list, cache: dict | None = None, alias: dict | None = None) -> list:
+def run_program(
+    prog: Program, local_inputs: list, cache: dict | None = None, alias: dict | None = None
+) -> list:
     """Run ``prog`` on local shards, in the order ``prog.order`` gives (``_combine``: the steps and
     the combined collectives, each run once its operands exist), else step by step.
     ``cache``/``alias``: shared with the caller for inlined calls."""
@@ -1254,7 +1410,9 @@ def run_program(prog: Program, local_inputs: list, cache: dict | None = None, al
     made = {}
     for bx in prog.out_boxings:
         if bx.group is not None:  # (a repeated output converted to one layout twice reuses it)
-            made[(keys[bx.operand], bx.dst.nd_sbp)] = outs[bx.operand] = cache[(keys[bx.operand], bx.dst.nd_sbp)]
+            made[(keys[bx.operand], bx.dst.nd_sbp)] = outs[bx.operand] = cache[
+                (keys[bx.operand], bx.dst.nd_sbp)
+            ]
     return _apply_boxings(outs, [bx for bx in prog.out_boxings if bx.group is None], keys, made)
 
 
@@ -1277,21 +1435,23 @@ def _emit_annotate(st, ins):
 def _emit_scan(st, ins):
     p = st.eqn.params
     nc, nk = scan_counts(p)
-    consts, init, xs = ins[:nc], ins[nc: nc + nk], ins[nc + nk:]
+    consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
     sub = st.sub
 
     def body(carry, x):
         out = run_program(sub, list(consts) + list(carry) + list(x))
         return out[:nk], out[nk:]
 
-    carry, ys = lax.scan(body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    carry, ys = lax.scan(
+        body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
     return list(carry) + list(ys)
 
 
 def _emit_while(st, ins):
     p = st.eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = ins[:cn], ins[cn: cn + bn], ins[cn + bn:]
+    cconsts, bconsts, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
     cond, body = st.sub
     out = lax.while_loop(
         lambda c: run_program(cond, list(cconsts) + list(c))[0],
@@ -1308,8 +1468,12 @@ def _emit_cond(st, ins):
 
 
 _EMIT = {
-    "prim": _emit_prim, "annotate": _emit_annotate, "linear_solve": _emit_linear_solve,
-    "scan": _emit_scan, "while": _emit_while, "cond": _emit_cond,
+    "prim": _emit_prim,
+    "annotate": _emit_annotate,
+    "linear_solve": _emit_linear_solve,
+    "scan": _emit_scan,
+    "while": _emit_while,
+    "cond": _emit_cond,
 }
 
 
@@ -1361,7 +1525,12 @@ def _reduce_before_transposes(prog: Program, seen=None) -> None:
         consumer = prog.steps[c]
         mine = [b for b in consumer.boxings if b.operand == i]
         bx = mine[0] if len(mine) == 1 else None  # (not a conversion through a hub layout)
-        if bx is None or bx.reused or bx.via or any(bx.dst.nd_sbp[a].is_partial for a in lout.partial_axes):
+        if (
+            bx is None
+            or bx.reused
+            or bx.via
+            or any(bx.dst.nd_sbp[a].is_partial for a in lout.partial_axes)
+        ):
             continue
         perm = st.eqn.params["permutation"]
         nd = tuple(_sbp.split(perm[x_.dim]) if x_.is_split else x_ for x_ in bx.dst.nd_sbp)
@@ -1391,7 +1560,9 @@ def program_cost(prog: Program, loops: bool = False) -> float:
     """Bytes per device plus a fixed latency per collective, over every boxing of ``prog`` (what
     really moves: the planner's tie-breaking penalties on local moves are left out). ``loops``:
     a loop body's boxings count once per iteration (``boxings_of``), as they run; else once."""
-    return sum(times * _moves_cost(bx.moves) for bx, times in boxings_of(prog, loops) if not bx.reused)
+    return sum(
+        times * _moves_cost(bx.moves) for bx, times in boxings_of(prog, loops) if not bx.reused
+    )
 
 
 _COMPUTE_HEAVY = frozenset({"dot_general", "conv_general_dilated"})
@@ -1471,8 +1642,18 @@ def _warn_replicated(prog: Program, placement) -> None:
         )
 
 
-def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cache=None,
-            plan_globally=False, all_plans=False, weights=None):
+def _search(
+    placement,
+    jaxpr,
+    consts,
+    in_layouts,
+    out_nd=None,
+    strict=False,
+    cache=None,
+    plan_globally=False,
+    all_plans=False,
+    weights=None,
+):
     """Greedy forward inference, then up to ``LOOKAHEAD_ROUNDS`` refinements: a backward walk
     collects the layouts each value's consumers want (seeded by ``out_nd`` and annotations), and a
     new forward pass charges every candidate the boxing of its outputs to those layouts. This sees
@@ -1497,7 +1678,9 @@ def _search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cac
     for the whole program). ``weights``: id(equation) -> how many equations of the whole program
     it stands for (``_repeat``; the global planner's costs count them)."""
     if plan_globally:  # the global planner (``JSBP_PLANNER=global``) starts from this search's plan
-        return _planner.search(placement, jaxpr, consts, in_layouts, out_nd, strict, cache, all_plans, weights)
+        return _planner.search(
+            placement, jaxpr, consts, in_layouts, out_nd, strict, cache, all_plans, weights
+        )
     prog = _search_pass(placement, jaxpr, consts, in_layouts, out_nd, strict, cache)[0]
     return [prog] if all_plans else prog
 
@@ -1515,8 +1698,14 @@ def _search_pass(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False
         anch.anchored = frozenset()
         return _refine(anch, anch_prog, args)[::2]
     best, best_cost, best_inf = _refine(anch, anch_prog, args)
-    free = _Inference(placement, None, anch.cands_cache, budget=best_cost * SEED_SLACK, strict=strict,
-                      copies=anch.copies)
+    free = _Inference(
+        placement,
+        None,
+        anch.cands_cache,
+        budget=best_cost * SEED_SLACK,
+        strict=strict,
+        copies=anch.copies,
+    )
     try:
         free_prog = free.program(*args)
     except _OverBudget:
@@ -1538,8 +1727,14 @@ def _refine(inf, prog, args) -> tuple[Program, float, _Inference]:
         if cost == 0.0 and _local_slices(prog) == 0:
             break
         demand = inf.backward_demand(jaxpr.outvars, out_nd)
-        nxt = _Inference(inf.placement, demand, inf.cands_cache, inf.anchored, strict=inf.strict,
-                         copies=inf.copies)
+        nxt = _Inference(
+            inf.placement,
+            demand,
+            inf.cands_cache,
+            inf.anchored,
+            strict=inf.strict,
+            copies=inf.copies,
+        )
         new = nxt.program(*args)
         new_cost = program_cost(new)
         if new_cost > cost or (new_cost == cost and _tie_rank(new) >= _tie_rank(prog)):
@@ -1560,13 +1755,18 @@ def _tie_rank(prog: Program) -> tuple[float, int]:
 
 
 def _local_slices(prog: Program) -> int:
-    return sum(1 for _, st in iter_steps(prog) for bx in st.boxings
-               if not bx.reused and not any(m.collective for m in bx.moves))
+    return sum(
+        1
+        for _, st in iter_steps(prog)
+        for bx in st.boxings
+        if not bx.reused and not any(m.collective for m in bx.moves)
+    )
 
 
 def _copy_program(prog: Program) -> Program:
     """A copy of ``prog`` whose steps and boxings (nested programs' too) can be rewritten and
     grouped (``_reduce_before_transposes``, ``combine_collectives``) without touching ``prog``."""
+
     def boxings(bxs):
         return [dataclasses.replace(bx) for bx in bxs]
 
@@ -1577,13 +1777,14 @@ def _copy_program(prog: Program) -> Program:
             return type(x)(sub(y) for y in x)
         return x
 
-    steps = [dataclasses.replace(st, boxings=boxings(st.boxings), sub=sub(st.sub)) for st in prog.steps]
+    steps = [
+        dataclasses.replace(st, boxings=boxings(st.boxings), sub=sub(st.sub)) for st in prog.steps
+    ]
     return dataclasses.replace(prog, steps=steps, out_boxings=boxings(prog.out_boxings))
 
 
 class _OverBudget(Exception):
     """A free-seed pass has spent its budget (``_search``)."""
-
 
 
 # -------------------------------------------------------------------------------------------
@@ -1603,5 +1804,9 @@ def forced_program(placement, closed, in_nds, out_nds) -> Program:
     in_lays = [inf.lay(nd, v.aval) for nd, v in zip(in_nds, eqn.invars)]
     out_lays = [inf.lay(nd, v.aval) for nd, v in zip(out_nds, eqn.outvars)]
     st = Step(eqn, in_lays, out_lays, [], rule=_registry.get_rule(eqn.primitive.name))
-    jaxpr_in = [inf.lay(nd, v.aval) for nd, v in zip(in_nds, closed.jaxpr.invars)] if closed.jaxpr.invars == eqn.invars else in_lays
+    jaxpr_in = (
+        [inf.lay(nd, v.aval) for nd, v in zip(in_nds, closed.jaxpr.invars)]
+        if closed.jaxpr.invars == eqn.invars
+        else in_lays
+    )
     return Program(closed.jaxpr, list(closed.consts), jaxpr_in, [st], out_lays, [])

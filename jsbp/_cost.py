@@ -64,7 +64,9 @@ class Estimate:
     """What the cost model predicts for one planned program (all figures per device)."""
 
     comm_bytes: float  # moved by collectives (a loop body's once per iteration)
-    collectives: int  # collectives launched (a combined group once, a loop body's once per iteration)
+    collectives: (
+        int  # collectives launched (a combined group once, a loop body's once per iteration)
+    )
     flops: float  # matmul / convolution FLOPs of the local shards
     traffic: float  # bytes read + written by every other op on its local shards
     input_bytes: int  # the inputs' local bytes (parameters, optimizer state, batch)
@@ -205,8 +207,11 @@ def _intermediate_peak(prog: Program, in_place=frozenset()) -> int:
     live, peak = 0, 0
     sizes: dict = {}
     for i, st in enumerate(steps):
-        boxed = sum(local_bytes(bx.dst, st.eqn.invars[bx.operand].aval.dtype)
-                    for bx in st.boxings if not bx.reused and bx.operand < len(st.eqn.invars))
+        boxed = sum(
+            local_bytes(bx.dst, st.eqn.invars[bx.operand].aval.dtype)
+            for bx in st.boxings
+            if not bx.reused and bx.operand < len(st.eqn.invars)
+        )
         made = 0
         for v, lay in zip(st.eqn.outvars, st.out_layouts):
             n = 0 if v in in_place else _var_bytes(v, lay)
@@ -248,9 +253,16 @@ def estimate(prog: Program, cost: CostModel = DEFAULT_COST) -> Estimate:
     flops, traffic = _compute(prog)
     inputs = sum(_var_bytes(v, lay) for v, lay in zip(prog.jaxpr.invars, prog.in_layouts))
     peak = inputs + _intermediate_peak(prog, _updates(prog))
-    seconds = (comm_bytes / cost.link_bandwidth + count * cost.latency + flops / cost.flop_rate
-               + traffic / cost.mem_bandwidth + staging / cost.staging_bandwidth)
-    return Estimate(comm_bytes, count, flops, traffic, int(inputs), int(peak), seconds, staging, compiled)
+    seconds = (
+        comm_bytes / cost.link_bandwidth
+        + count * cost.latency
+        + flops / cost.flop_rate
+        + traffic / cost.mem_bandwidth
+        + staging / cost.staging_bandwidth
+    )
+    return Estimate(
+        comm_bytes, count, flops, traffic, int(inputs), int(peak), seconds, staging, compiled
+    )
 
 
 def measured_bytes(fn, *args) -> dict[str, int]:
@@ -275,8 +287,16 @@ def measured_bytes(fn, *args) -> dict[str, int]:
     return out
 
 
-_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2,
-          "gib": 1024**3}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
 
 
 def parse_bytes(value, op: str) -> int | None:
@@ -288,7 +308,7 @@ def parse_bytes(value, op: str) -> int | None:
     if isinstance(value, str):
         s = value.strip().lower().replace(" ", "")
         num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = s[len(num):]
+        unit = s[len(num) :]
         try:
             n = float(num)
         except ValueError:

@@ -35,7 +35,9 @@ class BoxingRow:
             kinds += f", combined #{self.combined}"
         if self.via:
             kinds += f", from the {self.src} copy"
-        return f"#{self.operand} {self.src}->{self.dst} [{kinds}] {_fmt_bytes(self.bytes_per_device)}"
+        return (
+            f"#{self.operand} {self.src}->{self.dst} [{kinds}] {_fmt_bytes(self.bytes_per_device)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,18 +142,34 @@ def plan_of_program(prog, placement) -> Plan:
         for bx in reversed(st.boxings):  # an operand's first boxing starts from what arrives
             arriving[bx.operand] = bx.src
         ins = tuple(_sbp.nd_str(l.nd_sbp) for l in arriving)
-        sig = ", ".join(_sbp.nd_str(l.nd_sbp) for l in st.in_layouts) + " -> " + ", ".join(
-            _sbp.nd_str(l.nd_sbp) for l in st.out_layouts
+        sig = (
+            ", ".join(_sbp.nd_str(l.nd_sbp) for l in st.in_layouts)
+            + " -> "
+            + ", ".join(_sbp.nd_str(l.nd_sbp) for l in st.out_layouts)
         )
         rows.append(
-            PlanRow(depth, st.eqn.primitive.name, ins, sig, tuple(_sbp.nd_str(l.nd_sbp) for l in st.out_layouts),
-                    tuple(_boxing_row(b) for b in st.boxings),
-                    "no rule: replicated" if st.rule is not None and st.rule.fallback else "")
+            PlanRow(
+                depth,
+                st.eqn.primitive.name,
+                ins,
+                sig,
+                tuple(_sbp.nd_str(l.nd_sbp) for l in st.out_layouts),
+                tuple(_boxing_row(b) for b in st.boxings),
+                "no rule: replicated" if st.rule is not None and st.rule.fallback else "",
+            )
         )
         for s in subprograms(st):
             for b in s.out_boxings:
-                rows.append(PlanRow(depth + 1, "(carry/branch out)", (b and _sbp.nd_str(b.src.nd_sbp),), "",
-                                    (_sbp.nd_str(b.dst.nd_sbp),), (_boxing_row(b),)))
+                rows.append(
+                    PlanRow(
+                        depth + 1,
+                        "(carry/branch out)",
+                        (b and _sbp.nd_str(b.src.nd_sbp),),
+                        "",
+                        (_sbp.nd_str(b.dst.nd_sbp),),
+                        (_boxing_row(b),),
+                    )
+                )
 
     return Plan(rows, [_boxing_row(b) for b in prog.out_boxings], placement, estimate(prog))
 

@@ -41,9 +41,19 @@ from ._errors import PlacementError, SbpError
 from ._layout import Layout, layout_of, normalise_nd
 from ._placement import placement as Placement
 
-__all__ = ["named_sharding", "explicit_mesh", "layout_of_array", "to_jax_array", "meshless",
-           "requested_nd", "lift_out_shardings", "trace_with_mesh", "under_transformation",
-           "typed_avals", "retype"]
+__all__ = [
+    "named_sharding",
+    "explicit_mesh",
+    "layout_of_array",
+    "to_jax_array",
+    "meshless",
+    "requested_nd",
+    "lift_out_shardings",
+    "trace_with_mesh",
+    "under_transformation",
+    "typed_avals",
+    "retype",
+]
 
 
 # -------------------------------------------------------------------------------------------
@@ -89,7 +99,9 @@ def named_sharding(placement: Placement, sbp, ndim: int) -> NamedSharding:
     if isinstance(ndim, bool) or not isinstance(ndim, (int, np.integer)) or ndim < 0:
         raise SbpError(f"named_sharding: ndim must be a non-negative int, got {ndim!r}.")
     nd = normalise_nd(sbp, (1,) * int(ndim), placement, op="named_sharding")
-    return NamedSharding(explicit_mesh(placement), _spec(placement, nd, int(ndim), "named_sharding"))
+    return NamedSharding(
+        explicit_mesh(placement), _spec(placement, nd, int(ndim), "named_sharding")
+    )
 
 
 def _entry_axes(entry) -> tuple:
@@ -99,7 +111,9 @@ def _entry_axes(entry) -> tuple:
 
 
 def _mesh_axis_sizes(mesh) -> dict:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes if hasattr(mesh, "axis_sizes") else mesh.devices.shape))
+    return dict(
+        zip(mesh.axis_names, mesh.axis_sizes if hasattr(mesh, "axis_sizes") else mesh.devices.shape)
+    )
 
 
 def _axis_index(plc: Placement, mesh, name, op: str, where: str) -> int:
@@ -119,8 +133,16 @@ def _axis_index(plc: Placement, mesh, name, op: str, where: str) -> int:
     return a
 
 
-def spec_to_nd(spec: PartitionSpec, mesh, plc: Placement, ndim: int, *, op: str, keep=None,
-               strict_order: bool = True) -> tuple:
+def spec_to_nd(
+    spec: PartitionSpec,
+    mesh,
+    plc: Placement,
+    ndim: int,
+    *,
+    op: str,
+    keep=None,
+    strict_order: bool = True,
+) -> tuple:
     """The nd-sbp a ``PartitionSpec`` on ``mesh`` asks for on ``plc`` (axes mapped by name).
 
     ``keep``: per placement axis, True where the spec says nothing about it (the axis keeps its
@@ -128,10 +150,14 @@ def spec_to_nd(spec: PartitionSpec, mesh, plc: Placement, ndim: int, *, op: str,
     ``strict_order``: a dim split over several axes must name them in placement order (jsbp cuts
     with the outer axis first); otherwise the order is the placement's.
     """
-    parts = tuple(getattr(spec, "partitions", spec))  # iterating a spec with unreduced axes is refused
+    parts = tuple(
+        getattr(spec, "partitions", spec)
+    )  # iterating a spec with unreduced axes is refused
     entries = list(parts) + [None] * (ndim - len(parts))
     if len(entries) > ndim:
-        raise SbpError(f"{op}: the spec {spec} has {len(spec)} entries for a tensor of {ndim} dims.")
+        raise SbpError(
+            f"{op}: the spec {spec} has {len(spec)} entries for a tensor of {ndim} dims."
+        )
     nd: list = [None if keep is not None and keep[a] else _sbp.broadcast for a in range(plc.ndim)]
     for d, entry in enumerate(entries):
         axes = [_axis_index(plc, mesh, n, op, f"the spec {spec}") for n in _entry_axes(entry)]
@@ -161,7 +187,11 @@ def placement_of_mesh(mesh: Mesh) -> Placement:
     """The placement of a concrete ``Mesh``: same devices (ids), hierarchy and axis names."""
     devs = np.asarray(mesh.devices)
     kind = devs.flat[0].platform
-    return Placement(kind, np.vectorize(lambda d: d.id, otypes=[np.int64])(devs), axis_names=tuple(mesh.axis_names))
+    return Placement(
+        kind,
+        np.vectorize(lambda d: d.id, otypes=[np.int64])(devs),
+        axis_names=tuple(mesh.axis_names),
+    )
 
 
 def layout_of_array(arr: jax.Array) -> tuple[Layout, bool]:
@@ -190,7 +220,9 @@ def physical_from_array(arr: jax.Array, lay: Layout):
     if not lay.partial_axes:
         if arr.sharding.mesh is lay.placement.mesh or arr.sharding == lay.sharding:
             return arr
-        return jax.make_array_from_single_device_arrays(lay.physical_shape, lay.sharding, [s.data for s in shards])
+        return jax.make_array_from_single_device_arrays(
+            lay.physical_shape, lay.sharding, [s.data for s in shards]
+        )
     with no_context_mesh():  # a device-side reshape of each addend, whatever mesh the user has set
         datas = [s.data[None] for s in shards]
     return jax.make_array_from_single_device_arrays(lay.physical_shape, lay.sharding, datas)
@@ -208,7 +240,9 @@ def to_jax_array(x) -> jax.Array:
             f"evenly {lay.ways(d)} ways over axes {axes}; a JAX NamedSharding cannot hold uneven blocks (jsbp pads "
             "them). Box it to a layout that splits it evenly (or B) first, or read it with x.numpy()."
         )
-    ns = NamedSharding(explicit_mesh(lay.placement), _spec(lay.placement, lay.nd_sbp, len(lay.shape), "to_jax"))
+    ns = NamedSharding(
+        explicit_mesh(lay.placement), _spec(lay.placement, lay.nd_sbp, len(lay.shape), "to_jax")
+    )
     phys = x.physical
     shards = phys.addressable_shards
     with no_context_mesh():  # a device-side slice of each addend, whatever mesh the user has set
@@ -273,12 +307,19 @@ def _mesh_holders(by_name: bool = True):
     from jax._src import config as _config
     from jax._src import mesh as _mesh
 
-    if by_name and hasattr(_config, "abstract_mesh_context_manager") and hasattr(_config, "device_context"):
+    if (
+        by_name
+        and hasattr(_config, "abstract_mesh_context_manager")
+        and hasattr(_config, "device_context")
+    ):
         return _config.abstract_mesh_context_manager, _config.device_context
     if by_name and _FOUND_HOLDERS:  # module-level objects: found once, they stay the holders
         return _FOUND_HOLDERS[0]
     get_concrete = getattr(_mesh, "get_concrete_mesh", None)
-    want = {"abstract": jax.sharding.get_abstract_mesh(), "concrete": get_concrete() if get_concrete else None}
+    want = {
+        "abstract": jax.sharding.get_abstract_mesh(),
+        "concrete": get_concrete() if get_concrete else None,
+    }
     found: dict = {}
     for mod in (_config, _mesh, sys.modules.get("jax._src.sharding_impls")):
         for holder in vars(mod).values() if mod is not None else ():
@@ -328,7 +369,11 @@ class meshless:
 def portable_key(key):
     """A PRNG key made under a user's ``jax.set_mesh(...)`` lives on that mesh's devices; jsbp's
     program for another device set takes it uncommitted (its two words, through the host)."""
-    if not _context_mesh_set() or not isinstance(key, jax.Array) or isinstance(key, jax.core.Tracer):
+    if (
+        not _context_mesh_set()
+        or not isinstance(key, jax.Array)
+        or isinstance(key, jax.core.Tracer)
+    ):
         return key
     with no_context_mesh():
         if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
@@ -339,7 +384,9 @@ def portable_key(key):
 
 def _needs_mesh(err: Exception) -> bool:
     msg = str(err)
-    return "mesh context" in msg or "mesh in context" in msg or "context mesh cannot be empty" in msg
+    return (
+        "mesh context" in msg or "mesh in context" in msg or "context mesh cannot be empty" in msg
+    )
 
 
 def _typed_spec(mesh, shape, nd) -> PartitionSpec:
@@ -371,7 +418,11 @@ def typed_avals(abstract, layouts, plc: Placement) -> list:
             out.append(a)
             continue
         spec = _typed_spec(mesh, a.shape, lay.nd_sbp)
-        out.append(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=NamedSharding(mesh, spec)))
+        out.append(
+            jax.ShapeDtypeStruct(
+                a.shape, a.dtype, weak_type=a.weak_type, sharding=NamedSharding(mesh, spec)
+            )
+        )
     return out
 
 
@@ -379,7 +430,12 @@ def retype(aval, nd):
     """The type of ``to_global(x, sbp=nd)`` inside a typed trace: ``x``'s type with the sharding
     of ``nd`` (an untyped trace, or a value on no mesh, keeps its type)."""
     sh = getattr(aval, "sharding", None)
-    if nd is None or not isinstance(sh, NamedSharding) or sh.mesh.empty or len(nd) != len(sh.mesh.axis_names):
+    if (
+        nd is None
+        or not isinstance(sh, NamedSharding)
+        or sh.mesh.empty
+        or len(nd) != len(sh.mesh.axis_names)
+    ):
         return aval
     if any(t != AxisType.Explicit for t in getattr(sh.mesh, "axis_types", ())):
         return aval
@@ -390,7 +446,8 @@ def retype(aval, nd):
 def _same_axes(mesh, plc: Placement) -> bool:
     """Whether a (context) mesh has the placement's axis names and sizes (any axis types)."""
     return tuple(mesh.axis_names) == tuple(plc.axis_names) and tuple(
-        _mesh_axis_sizes(mesh)[n] for n in plc.axis_names) == tuple(plc.hierarchy)
+        _mesh_axis_sizes(mesh)[n] for n in plc.axis_names
+    ) == tuple(plc.hierarchy)
 
 
 UNTYPED: list[str] = []
@@ -429,7 +486,9 @@ def trace_with_mesh(make, plc: Placement, abstract=None, layouts=None):
                 return call(typed_avals(abstract, layouts, plc))
         except SbpError:
             raise
-        except Exception as e:  # JAX's explicit-sharding rules refused the typed trace: untyped below
+        except (
+            Exception
+        ) as e:  # JAX's explicit-sharding rules refused the typed trace: untyped below
             typed_err = e
             UNTYPED.append(_first_line(e))
             del UNTYPED[:-8]
@@ -462,7 +521,9 @@ def _untyped(call, abstract, ctx, ours: bool, twin):
         if ctx.empty:
             if not _needs_mesh(e):
                 raise
-        elif not (ours and "of type Auto" in str(e)):  # explicit-sharding code under p.mesh: the twin
+        elif not (
+            ours and "of type Auto" in str(e)
+        ):  # explicit-sharding code under p.mesh: the twin
             raise
     with jax.sharding.use_abstract_mesh(twin):
         return call(abstract)
@@ -491,7 +552,11 @@ def requested_nd(eqn, cur: Layout, plc: Placement):
     types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
     spec = sharding.spec
     unconstrained = set(eqn.params.get("unconstrained_dims", ()) or ())
-    unconstrained |= {d for d, e in enumerate(getattr(spec, "partitions", spec)) if e is PartitionSpec.UNCONSTRAINED}
+    unconstrained |= {
+        d
+        for d, e in enumerate(getattr(spec, "partitions", spec))
+        if e is PartitionSpec.UNCONSTRAINED
+    }
     keep = []
     for n in plc.axis_names:
         if n not in mesh.axis_names:
@@ -500,7 +565,11 @@ def requested_nd(eqn, cur: Layout, plc: Placement):
             keep.append(True)  # an Auto axis is not in JAX's type: reshard says nothing about it
         else:
             keep.append(False)
-    nd = list(spec_to_nd(spec, mesh, plc, ndim, op=f"{name} inside jsbp.jit", keep=keep, strict_order=False))
+    nd = list(
+        spec_to_nd(
+            spec, mesh, plc, ndim, op=f"{name} inside jsbp.jit", keep=keep, strict_order=False
+        )
+    )
     for a, x in enumerate(nd):  # an axis splitting an unconstrained dim keeps that split
         cx = cur.nd_sbp[a]
         if x is _sbp.broadcast and cx.is_split and cx.dim in unconstrained:
@@ -521,7 +590,9 @@ def _is_request(s) -> bool:
     if not isinstance(s, NamedSharding):
         return False
     spec = s.spec
-    return any(_entry_axes(e) for e in getattr(spec, "partitions", spec)) or bool(getattr(spec, "unreduced", ()))
+    return any(_entry_axes(e) for e in getattr(spec, "partitions", spec)) or bool(
+        getattr(spec, "unreduced", ())
+    )
 
 
 _SHARDING_PARAMS = ("out_sharding", "sharding")
@@ -539,13 +610,18 @@ def _lift_jaxpr(jaxpr):
             params = sub
         req = None
         if eqn.primitive.name not in ("reshard", "sharding_constraint"):
-            for k in _SHARDING_PARAMS:  # cleared either way: a mesh's sharding means nothing on local shards
+            for k in (
+                _SHARDING_PARAMS
+            ):  # cleared either way: a mesh's sharding means nothing on local shards
                 if isinstance(params.get(k), NamedSharding):
                     if _is_request(params[k]):
                         req = params[k]
                     params = {**params, k: None}
-        if req is not None and (eqn.primitive.multiple_results or len(eqn.outvars) != 1
-                                or isinstance(eqn.outvars[0], jcore.DropVar)):
+        if req is not None and (
+            eqn.primitive.multiple_results
+            or len(eqn.outvars) != 1
+            or isinstance(eqn.outvars[0], jcore.DropVar)
+        ):
             req = None  # only single results carry a request (the parameter is still cleared)
         if params is eqn.params:
             new_eqns.append(eqn)
@@ -557,8 +633,17 @@ def _lift_jaxpr(jaxpr):
         out = eqn.outvars[0]
         mid = jcore.Var(out.aval)
         new_eqns.append(eqn.replace(params=params, outvars=[mid]))
-        new_eqns.append(jcore.new_jaxpr_eqn([mid], [out], reshard_p, {"dst_sharding": req, "concrete_mesh": None},
-                                            jcore.no_effects, eqn.source_info, eqn.ctx))
+        new_eqns.append(
+            jcore.new_jaxpr_eqn(
+                [mid],
+                [out],
+                reshard_p,
+                {"dst_sharding": req, "concrete_mesh": None},
+                jcore.no_effects,
+                eqn.source_info,
+                eqn.ctx,
+            )
+        )
     return jaxpr.replace(eqns=new_eqns) if changed else jaxpr
 
 
@@ -570,11 +655,17 @@ def _lift_param(v):
         return v if j is v.jaxpr else v.replace(jaxpr=j)
     if isinstance(v, jcore.Jaxpr):
         return _lift_jaxpr(v)
-    if isinstance(v, tuple) and v and any(isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr)) for x in v):
+    if (
+        isinstance(v, tuple)
+        and v
+        and any(isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr)) for x in v)
+    ):
         out = tuple(_lift_param(x) for x in v)
         if all(a is b for a, b in zip(out, v)):
             return v
-        return type(v)(*out) if hasattr(v, "_fields") else out  # a namedtuple stays one (custom_linear_solve's jaxprs)
+        return (
+            type(v)(*out) if hasattr(v, "_fields") else out
+        )  # a namedtuple stays one (custom_linear_solve's jaxprs)
     return v
 
 

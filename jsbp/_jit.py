@@ -47,7 +47,9 @@ __all__ = ["jit", "JitFunction", "to_global_p"]
 
 to_global_p = Primitive("jsbp_to_global")
 to_global_p.def_impl(lambda x, *, nd, grad_nd: x)
-to_global_p.def_abstract_eval(lambda x, *, nd, grad_nd: retype(x, nd))  # typed traces: nd's sharding
+to_global_p.def_abstract_eval(
+    lambda x, *, nd, grad_nd: retype(x, nd)
+)  # typed traces: nd's sharding
 mlir.register_lowering(to_global_p, lambda ctx, x, *, nd, grad_nd: [x])
 
 
@@ -80,7 +82,11 @@ class _Hook:
             )
         shape = tuple(jnp.shape(x))
         nd = None if sbp is None else normalise_nd(sbp, shape, self.placement, op="to_global")
-        gnd = None if grad_sbp is None else normalise_nd(grad_sbp, shape, self.placement, op="to_global(grad_sbp=)")
+        gnd = (
+            None
+            if grad_sbp is None
+            else normalise_nd(grad_sbp, shape, self.placement, op="to_global(grad_sbp=)")
+        )
         if nd is None and gnd is None:
             return x
         return to_global_p.bind(x, nd=nd, grad_nd=gnd)
@@ -105,9 +111,13 @@ class _Entry:
     out_dtypes: list
     fn: Any  # jitted shard_map over physical arrays
     flat_fn: Any  # logical flat function (for the backward program)
-    out_struct: Any = None  # out_tree with global tensors as nodes: physical outputs -> global tensors
+    out_struct: Any = (
+        None  # out_tree with global tensors as nodes: physical outputs -> global tensors
+    )
     _bwd: Any = None
-    strict: bool = False  # a primitive without a rule raises (else: runs replicated, with a warning)
+    strict: bool = (
+        False  # a primitive without a rule raises (else: runs replicated, with a warning)
+    )
     _diff: Any = None
 
 
@@ -132,7 +142,9 @@ def _keys_broadcast(out_nd, avals, placement):
 
 def _weak(x) -> bool:
     """A Python scalar, or an array (or tracer) JAX marks weakly typed."""
-    return type(x) in (int, float, complex) or bool(getattr(getattr(x, "aval", x), "weak_type", False))
+    return type(x) in (int, float, complex) or bool(
+        getattr(getattr(x, "aval", x), "weak_type", False)
+    )
 
 
 def _leaf_type(x):
@@ -174,15 +186,25 @@ def _build_shard_map(placement, in_layouts, out_layouts, prog, in_dtypes, donate
         outs = run_program(prog, xs)
         return tuple(o[None] if s else o for o, s in zip(outs, sq_out))
 
-    donate = () if donated is None else tuple(
-        j for j, i in enumerate(i for i, keep in enumerate(passed) if keep) if donated[i])
-    sm = meshless(jax.jit(jax.shard_map(  # runs whatever jax.set_mesh(...) is active
-        body,
-        mesh=placement.mesh,
-        in_specs=tuple(l.spec for l, keep in zip(in_layouts, passed) if keep),
-        out_specs=tuple(l.spec for l in out_layouts),
-        check_vma=False,
-    ), donate_argnums=donate))
+    donate = (
+        ()
+        if donated is None
+        else tuple(
+            j for j, i in enumerate(i for i, keep in enumerate(passed) if keep) if donated[i]
+        )
+    )
+    sm = meshless(
+        jax.jit(
+            jax.shard_map(  # runs whatever jax.set_mesh(...) is active
+                body,
+                mesh=placement.mesh,
+                in_specs=tuple(l.spec for l, keep in zip(in_layouts, passed) if keep),
+                out_specs=tuple(l.spec for l in out_layouts),
+                check_vma=False,
+            ),
+            donate_argnums=donate,
+        )
+    )
     if all(passed):
         return sm
     return _DropEmpty(sm, passed)
@@ -216,6 +238,7 @@ def _out_nd_list(out_sbp, n_out, placement, out_shapes):
         if isinstance(out_sbp, (list, tuple)) and len(out_sbp) == n_out:
             specs = [None if s is None else _sbp.parse_nd(s, placement.ndim) for s in out_sbp]
         else:
+
             def is_nd(s):  # a tuple is an nd-sbp where it parses as one, else a container
                 if s is None or isinstance(s, (str, _sbp.Sbp)):
                     return True
@@ -234,14 +257,20 @@ def _out_nd_list(out_sbp, n_out, placement, out_shapes):
                     "nd-sbp for all outputs or one per output."
                 ) from None
             specs = [None if s is None else _sbp.parse_nd(s, placement.ndim) for s in leaves]
-    return [None if s is None else normalise_nd(s, shp, placement, op="jsbp.jit(out_sbp=)") for s, shp in zip(specs, out_shapes)]
+    return [
+        None if s is None else normalise_nd(s, shp, placement, op="jsbp.jit(out_sbp=)")
+        for s, shp in zip(specs, out_shapes)
+    ]
 
 
 def _trace(fn, treedef, static, in_layouts, in_dtypes, placement, weak=()):
     """``weak``: per leaf, whether it is a Python scalar (weakly typed, as under ``jax.jit``: a
     float16 tensor times ``2.0`` stays float16)."""
     weak = tuple(weak) or (False,) * len(in_layouts)
-    abstract = [jax.ShapeDtypeStruct(l.shape, d, weak_type=w) for l, d, w in zip(in_layouts, in_dtypes, weak)]
+    abstract = [
+        jax.ShapeDtypeStruct(l.shape, d, weak_type=w)
+        for l, d, w in zip(in_layouts, in_dtypes, weak)
+    ]
     store = {}
 
     def flat_fn(*logical):
@@ -258,7 +287,9 @@ def _trace(fn, treedef, static, in_layouts, in_dtypes, placement, weak=()):
         return [jnp.asarray(x) for x in leaves]
 
     with tracing(_Hook(placement)):
-        closed = trace_with_mesh(lambda avals: jax.make_jaxpr(flat_fn)(*avals), placement, abstract, in_layouts)
+        closed = trace_with_mesh(
+            lambda avals: jax.make_jaxpr(flat_fn)(*avals), placement, abstract, in_layouts
+        )
     return lift_out_shardings(closed), store["tree"], flat_fn
 
 
@@ -294,8 +325,11 @@ def _argnums_and_names(fn, sig, nums, names, what: str):
     if not all(isinstance(k, str) for k in names):
         raise SbpError(f"jsbp.jit({name}): {what}_argnames must be strings, got {names!r}.")
     if sig is not None and nums_given != names_given:
-        pk = [(i, k) for i, (k, p) in enumerate(sig.parameters.items())
-              if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        pk = [
+            (i, k)
+            for i, (k, p) in enumerate(sig.parameters.items())
+            if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD
+        ]
         if nums_given:
             names = tuple(k for i, k in pk if i in nums)
         else:
@@ -315,19 +349,33 @@ class _PlainArguments(Exception):
 class JitFunction:
     """A consistent-view function compiled by ``jsbp.jit``; call it with global tensors."""
 
-    def __init__(self, fn, *, out_sbp=None, static_argnums=None, strict: bool | None = None,
-                 static_argnames=None, donate_argnums=None, donate_argnames=None):
+    def __init__(
+        self,
+        fn,
+        *,
+        out_sbp=None,
+        static_argnums=None,
+        strict: bool | None = None,
+        static_argnames=None,
+        donate_argnums=None,
+        donate_argnames=None,
+    ):
         self.fn = fn
         self.out_sbp = out_sbp
         self.strict = _strict_default() if strict is None else bool(strict)
         sig = _signature(fn)
-        self.static_argnums, self.static_argnames = _argnums_and_names(fn, sig, static_argnums, static_argnames, "static")
-        self.donate_argnums, self.donate_argnames = _argnums_and_names(fn, sig, donate_argnums, donate_argnames, "donate")
+        self.static_argnums, self.static_argnames = _argnums_and_names(
+            fn, sig, static_argnums, static_argnames, "static"
+        )
+        self.donate_argnums, self.donate_argnames = _argnums_and_names(
+            fn, sig, donate_argnums, donate_argnames, "donate"
+        )
         both = set(self.static_argnames) & set(self.donate_argnames)
         if both or set(self.static_argnums) & set(self.donate_argnums):
             raise SbpError(
                 f"jsbp.jit({getattr(fn, '__name__', 'fn')}): arguments {sorted(both) or sorted(set(self.static_argnums) & set(self.donate_argnums))} "
-                "are both static and donated; a static argument is no buffer to donate. Drop one of the two.")
+                "are both static and donated; a static argument is no buffer to donate. Drop one of the two."
+            )
         self._cache: dict = {}
         # dispatch cache: (structure of the arguments with global tensors as nodes, leaf types,
         # static args) -> (entry, the plain leaves and their layouts). A global tensor flattens to
@@ -340,7 +388,12 @@ class JitFunction:
         # and so do donated ones (the program itself donates them, which a program called inside
         # another jax.jit would not), and so does a call under a context mesh (the function is
         # traced under it, see ``trace_with_mesh``; the program runs without it, see ``meshless``)
-        python_path = self.static_argnums or self.static_argnames or self.donate_argnums or self.donate_argnames
+        python_path = (
+            self.static_argnums
+            or self.static_argnames
+            or self.donate_argnums
+            or self.donate_argnames
+        )
         self._outer = None if python_path else jax.jit(_traced_call_of(weakref.ref(self)))
         functools.update_wrapper(self, fn)
 
@@ -350,22 +403,33 @@ class JitFunction:
         ``((position, value), ...), ((name, value), ...)`` and the static positions."""
         spos = _positions(self.static_argnums, len(args)) if self.static_argnums else frozenset()
         snames = self.static_argnames
-        static = (tuple((i, args[i]) for i in sorted(spos)),
-                  tuple((k, kwargs[k]) for k in sorted(kwargs) if k in snames))
-        dyn = (tuple(a for i, a in enumerate(args) if i not in spos),
-               {k: v for k, v in kwargs.items() if k not in snames} if snames else dict(kwargs))
+        static = (
+            tuple((i, args[i]) for i in sorted(spos)),
+            tuple((k, kwargs[k]) for k in sorted(kwargs) if k in snames),
+        )
+        dyn = (
+            tuple(a for i, a in enumerate(args) if i not in spos),
+            {k: v for k, v in kwargs.items() if k not in snames} if snames else dict(kwargs),
+        )
         return dyn, static, spos
 
     def _donated(self, args, kwargs, dyn, spos):
         """Per leaf of ``dyn`` (global tensors as leaves), whether its buffer is donated."""
         if not (self.donate_argnums or self.donate_argnames):
             return None
-        dpos = {i for i in self.donate_argnums if 0 <= i < len(args)}  # jax.jit: negative ones donate nothing
-        flags = (tuple(i in dpos for i in range(len(args)) if i not in spos),
-                 {k: k in self.donate_argnames for k in dyn[1]})
+        dpos = {
+            i for i in self.donate_argnums if 0 <= i < len(args)
+        }  # jax.jit: negative ones donate nothing
+        flags = (
+            tuple(i in dpos for i in range(len(args)) if i not in spos),
+            {k: k in self.donate_argnames for k in dyn[1]},
+        )
         per = jax.tree_util.tree_map(
-            lambda f, sub: jax.tree_util.tree_map(lambda _: f, sub, is_leaf=_is_global), flags, dyn,
-            is_leaf=lambda x: isinstance(x, bool))
+            lambda f, sub: jax.tree_util.tree_map(lambda _: f, sub, is_leaf=_is_global),
+            flags,
+            dyn,
+            is_leaf=lambda x: isinstance(x, bool),
+        )
         return tuple(jax.tree_util.tree_leaves(per))
 
     @staticmethod
@@ -374,7 +438,9 @@ class JitFunction:
         try:
             return static_key(static)
         except TypeError:
-            raise SbpError(f"jsbp.jit: static arguments must be hashable, got {static!r}.") from None
+            raise SbpError(
+                f"jsbp.jit: static arguments must be hashable, got {static!r}."
+            ) from None
 
     def _prepare(self, args, kwargs):
         dyn, static, spos = self._split(args, kwargs)
@@ -416,7 +482,9 @@ class JitFunction:
     def _entry(self, key, placement, treedef, static, lays, dtypes) -> _Entry:
         entry = self._cache.get(key)
         if entry is None:
-            closed, out_tree, flat_fn = _trace(self.fn, treedef, static, lays, dtypes, placement, key[3])
+            closed, out_tree, flat_fn = _trace(
+                self.fn, treedef, static, lays, dtypes, placement, key[3]
+            )
             out_avals = closed.out_avals
             out_sbp = self.out_sbp(out_tree) if callable(self.out_sbp) else self.out_sbp
             out_nd = _out_nd_list(out_sbp, len(out_avals), placement, [a.shape for a in out_avals])
@@ -424,9 +492,23 @@ class JitFunction:
             prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd, strict=self.strict)
             fn = _build_shard_map(placement, lays, prog.out_layouts, prog, dtypes, donated=key[5])
             out_struct = jax.tree_util.tree_structure(
-                jax.tree_util.tree_unflatten(out_tree, [GlobalTensor(0, lay) for lay in prog.out_layouts]))
-            entry = _Entry(placement, lays, dtypes, prog, out_tree, prog.out_layouts,
-                           [a.dtype for a in out_avals], fn, flat_fn, out_struct, strict=self.strict)
+                jax.tree_util.tree_unflatten(
+                    out_tree, [GlobalTensor(0, lay) for lay in prog.out_layouts]
+                )
+            )
+            entry = _Entry(
+                placement,
+                lays,
+                dtypes,
+                prog,
+                out_tree,
+                prog.out_layouts,
+                [a.dtype for a in out_avals],
+                fn,
+                flat_fn,
+                out_struct,
+                strict=self.strict,
+            )
             self._cache[key] = entry
         return entry
 
@@ -461,7 +543,8 @@ class JitFunction:
     def __call__(self, *args, **kwargs):
         tracer = current_tracer()
         if tracer is not None and not any(
-                _is_global(x) for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_global)):
+            _is_global(x) for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_global)
+        ):
             return self._inline(tracer, args, kwargs)  # called by a function jsbp.jit is tracing
         if self._outer is not None and not _context_mesh_set():
             try:
@@ -487,7 +570,9 @@ class JitFunction:
             return out
         leaves, tree = jax.tree_util.tree_flatten(out)
         out_sbp = self.out_sbp(tree) if callable(self.out_sbp) else self.out_sbp
-        nds = _out_nd_list(out_sbp, len(leaves), hook.placement, [tuple(jnp.shape(x)) for x in leaves])
+        nds = _out_nd_list(
+            out_sbp, len(leaves), hook.placement, [tuple(jnp.shape(x)) for x in leaves]
+        )
         if nds is None:
             return out
         leaves = [x if nd is None else hook.annotate(x, sbp=nd) for x, nd in zip(leaves, nds)]
@@ -503,8 +588,10 @@ class JitFunction:
         tracers here): another plain array is put on the placement by the Python path
         (``_put_plain``: a committed single-device array is handled there), so one raises
         ``_PlainArguments`` and the function keeps the Python path from then on."""
-        if not all(_is_global(x) or _scalar_tracer(x)
-                   for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_global)):
+        if not all(
+            _is_global(x) or _scalar_tracer(x)
+            for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_global)
+        ):
             raise _PlainArguments
         entry, phys = self._find(args, kwargs)
         return jax.tree_util.tree_unflatten(entry.out_struct, _differentiable(entry)(*phys))
@@ -554,8 +641,11 @@ def _differentiable(entry: _Entry):
         entry = ref()
         bwd_fn, diff_idx = _backward(entry)
         cts = [  # the backward program reads the cotangents of inexact outputs only (keys: float0)
-            c if not (hasattr(c, "dtype") and c.dtype == jax.dtypes.float0) else jnp.zeros(l.physical_shape, d)
-            for c, l, d in zip(cts, entry.out_layouts, entry.out_dtypes) if _inexact(d)
+            c
+            if not (hasattr(c, "dtype") and c.dtype == jax.dtypes.float0)
+            else jnp.zeros(l.physical_shape, d)
+            for c, l, d in zip(cts, entry.out_layouts, entry.out_dtypes)
+            if _inexact(d)
         ]
         grads = bwd_fn(*phys, *cts)
         out = []
@@ -601,8 +691,14 @@ def _backward(entry: _Entry):
     in_dts = list(entry.in_dtypes) + [entry.out_dtypes[i] for i in out_diff]
     abstract = [jax.ShapeDtypeStruct(l.shape, d) for l, d in zip(in_lays, in_dts)]
     with tracing(_Hook(entry.placement)):
-        closed = lift_out_shardings(trace_with_mesh(lambda avals: jax.make_jaxpr(bwd_logical)(*avals),
-                                                    entry.placement, abstract, in_lays))
+        closed = lift_out_shardings(
+            trace_with_mesh(
+                lambda avals: jax.make_jaxpr(bwd_logical)(*avals),
+                entry.placement,
+                abstract,
+                in_lays,
+            )
+        )
     out_nd = [entry.in_layouts[i].nd_sbp for i in diff_idx]
     prog = infer(entry.placement, closed.jaxpr, closed.consts, in_lays, out_nd, strict=entry.strict)
     fn = _build_shard_map(entry.placement, in_lays, prog.out_layouts, prog, in_dts)
@@ -615,8 +711,16 @@ def _strict_default() -> bool:
     return os.environ.get("JSBP_STRICT", "") not in ("", "0")
 
 
-def jit(fn=None, *, out_sbp=None, static_argnums=None, strict: bool | None = None, static_argnames=None,
-        donate_argnums=None, donate_argnames=None):
+def jit(
+    fn=None,
+    *,
+    out_sbp=None,
+    static_argnums=None,
+    strict: bool | None = None,
+    static_argnames=None,
+    donate_argnums=None,
+    donate_argnames=None,
+):
     """Compile a consistent-view function of global tensors into one ``shard_map`` program.
 
     Global tensor arguments arrive in ``fn`` as logical ``jax.Array`` s; plain arrays and scalars
@@ -658,9 +762,21 @@ def jit(fn=None, *, out_sbp=None, static_argnums=None, strict: bool | None = Non
       and ``out_sbp`` (or ``jax.sharding.reshard`` / ``to_global`` inside the function).
     """
     if fn is None:
-        return functools.partial(jit, out_sbp=out_sbp, static_argnums=static_argnums, strict=strict,
-                                 static_argnames=static_argnames, donate_argnums=donate_argnums,
-                                 donate_argnames=donate_argnames)
-    return JitFunction(fn, out_sbp=out_sbp, static_argnums=static_argnums, strict=strict,
-                       static_argnames=static_argnames, donate_argnums=donate_argnums,
-                       donate_argnames=donate_argnames)
+        return functools.partial(
+            jit,
+            out_sbp=out_sbp,
+            static_argnums=static_argnums,
+            strict=strict,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+        )
+    return JitFunction(
+        fn,
+        out_sbp=out_sbp,
+        static_argnums=static_argnums,
+        strict=strict,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+    )

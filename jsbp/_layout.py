@@ -43,7 +43,9 @@ def offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
-def normalise_nd(nd, shape: Sequence[int], plc: Placement, *, op: str = "layout") -> tuple[_sbp.Sbp, ...]:
+def normalise_nd(
+    nd, shape: Sequence[int], plc: Placement, *, op: str = "layout"
+) -> tuple[_sbp.Sbp, ...]:
     """Parse ``nd`` for ``plc`` and normalise split dims against ``shape`` (raising a clear error)."""
     items = _sbp.parse_nd(nd, plc.ndim)
     out = []
@@ -85,7 +87,11 @@ class Layout:
             return True
         if not isinstance(other, Layout):
             return NotImplemented
-        return (self.shape, self.nd_sbp, self.placement) == (other.shape, other.nd_sbp, other.placement)
+        return (self.shape, self.nd_sbp, self.placement) == (
+            other.shape,
+            other.nd_sbp,
+            other.placement,
+        )
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -146,9 +152,7 @@ class Layout:
     @functools.cached_property
     def is_even(self) -> bool:
         """True when no block is padded (every split is exact at every level)."""
-        return all(
-            (n == 0) or (n % self.ways(d) == 0) for d, n in enumerate(self.shape)
-        )
+        return all((n == 0) or (n % self.ways(d) == 0) for d, n in enumerate(self.shape))
 
     # -- per device (coordinates in hierarchy order, flattened row-major) --------------------
     @functools.cached_property
@@ -235,7 +239,9 @@ class Layout:
         if kind is None:
             return addends[0]
         if kind == "sum":
-            return np.asarray(np.sum(addends.astype(_sum_dtype(addends.dtype)), axis=0)).astype(phys.dtype)
+            return np.asarray(np.sum(addends.astype(_sum_dtype(addends.dtype)), axis=0)).astype(
+                phys.dtype
+            )
         return np.asarray(_extremum(addends, kind)).astype(phys.dtype)  # an array even for 0-d
 
 

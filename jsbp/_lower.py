@@ -70,14 +70,23 @@ def lower(prob: Problem, choice: list[int], jaxpr, consts, in_layouts, out_nd=No
                     bx = box(i, val, isinstance(v, jcore.Literal), prob.layout(val, choice), t)
                     if bx is not None:
                         boxings.append(bx)
-                steps.append(Step(n.eqn, [lay(nd, v.aval) for nd, v in zip(ins, n.eqn.invars)],
-                                  [lay(nd, v.aval) for nd, v in zip(outs, n.eqn.outvars)], boxings,
-                                  rule=n.rule, kind=n.kind))
+                steps.append(
+                    Step(
+                        n.eqn,
+                        [lay(nd, v.aval) for nd, v in zip(ins, n.eqn.invars)],
+                        [lay(nd, v.aval) for nd, v in zip(outs, n.eqn.outvars)],
+                        boxings,
+                        rule=n.rule,
+                        kind=n.kind,
+                    )
+                )
             else:
                 _, eqn, inner, inner_consts, sub = item
                 cur = [layout_of_var(v) for v in eqn.invars]
                 sub_prog = program(inner, inner_consts, cur, sub)
-                steps.append(Step(eqn, cur, list(sub_prog.out_layouts), [], sub=sub_prog, kind="call"))
+                steps.append(
+                    Step(eqn, cur, list(sub_prog.out_layouts), [], sub=sub_prog, kind="call")
+                )
         out_layouts = [layout_of_var(v) for v in jx.outvars]
         return Program(jx, list(jx_consts), list(in_lays), steps, out_layouts, [])
 

@@ -28,11 +28,36 @@ def _is_dynamic(x):
 # weakly typed traced operand (as ``jnp`` makes it), not part of the program, so ``x * lr`` with a
 # new ``lr`` every step runs one compiled program (``jnp.ufunc`` instances count too)
 _OPERAND_FNS = {
-    jnp.add, jnp.subtract, jnp.multiply, jnp.true_divide, jnp.divide, jnp.floor_divide, jnp.mod,
-    jnp.remainder, jnp.power, jnp.float_power, jnp.bitwise_and, jnp.bitwise_or, jnp.bitwise_xor,
-    jnp.less, jnp.less_equal, jnp.greater, jnp.greater_equal, jnp.equal, jnp.not_equal,
-    jnp.maximum, jnp.minimum, jnp.fmax, jnp.fmin, jnp.fmod, jnp.arctan2, jnp.hypot, jnp.copysign,
-    jnp.logaddexp, jnp.clip, jnp.where,
+    jnp.add,
+    jnp.subtract,
+    jnp.multiply,
+    jnp.true_divide,
+    jnp.divide,
+    jnp.floor_divide,
+    jnp.mod,
+    jnp.remainder,
+    jnp.power,
+    jnp.float_power,
+    jnp.bitwise_and,
+    jnp.bitwise_or,
+    jnp.bitwise_xor,
+    jnp.less,
+    jnp.less_equal,
+    jnp.greater,
+    jnp.greater_equal,
+    jnp.equal,
+    jnp.not_equal,
+    jnp.maximum,
+    jnp.minimum,
+    jnp.fmax,
+    jnp.fmin,
+    jnp.fmod,
+    jnp.arctan2,
+    jnp.hypot,
+    jnp.copysign,
+    jnp.logaddexp,
+    jnp.clip,
+    jnp.where,
 }
 _SCALARS = (bool, int, float, complex)
 
@@ -48,7 +73,9 @@ def _int_fits(v: int) -> bool:
 def _scalar_operand(fn, i, a) -> bool:
     """Whether argument ``i`` (``a``) of a call of ``fn`` is a scalar that runs as a traced operand."""
     t = type(a)
-    if t not in _SCALARS and not (isinstance(a, np.generic) and (isinstance(a, np.number) or t is np.bool_)):
+    if t not in _SCALARS and not (
+        isinstance(a, np.generic) and (isinstance(a, np.number) or t is np.bool_)
+    ):
         return False
     if not (fn in _OPERAND_FNS or isinstance(fn, jnp.ufunc)):
         return False
@@ -69,8 +96,13 @@ def eager(fn, *args, **kwargs):
         # the scalar operands' types: a bool or numpy scalar (a strong 0-d array, which the
         # program's fast path does not take) gets a wrapper of its own, leaving the weakly typed
         # Python numbers' on it
-        key = (fn, dyn_pos, static_key(tuple(a for i, a in enumerate(args) if i not in dyn_pos)),
-               static_key(kwargs), tuple(type(args[i]) for i in dyn_pos if not _is_dynamic(args[i])))
+        key = (
+            fn,
+            dyn_pos,
+            static_key(tuple(a for i, a in enumerate(args) if i not in dyn_pos)),
+            static_key(kwargs),
+            tuple(type(args[i]) for i in dyn_pos if not _is_dynamic(args[i])),
+        )
         jf = _CACHE.get(key)
     except TypeError:  # unhashable static argument: no caching of the wrapper
         jf, key = None, None
@@ -96,7 +128,9 @@ def eager(fn, *args, **kwargs):
         name = getattr(fn, "__name__", None) or repr(fn)
         name = "astype" if name == "<lambda>" else name
         ops = "; ".join(
-            f"operand {i}: {a._layout.describe()}" for i, a in enumerate(args) if isinstance(a, GlobalTensor)
+            f"operand {i}: {a._layout.describe()}"
+            for i, a in enumerate(args)
+            if isinstance(a, GlobalTensor)
         )
         raise SbpError(
             f"{name} on global tensors ({ops}) failed: {type(e).__name__}: {e} Change the operands' "
@@ -106,33 +140,56 @@ def eager(fn, *args, **kwargs):
 
 def _binary(fn, reflected=False):
     if reflected:
+
         def method(self, other):
             return eager(fn, other, self)
     else:
+
         def method(self, other):
             return eager(fn, self, other)
+
     return method
 
 
 def _unary(fn):
     def method(self):
         return eager(fn, self)
+
     return method
 
 
 _BINARY = {
-    "add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "truediv": jnp.true_divide,
-    "floordiv": jnp.floor_divide, "mod": jnp.mod, "pow": jnp.power, "matmul": jnp.matmul,
-    "and": jnp.bitwise_and, "or": jnp.bitwise_or, "xor": jnp.bitwise_xor,
+    "add": jnp.add,
+    "sub": jnp.subtract,
+    "mul": jnp.multiply,
+    "truediv": jnp.true_divide,
+    "floordiv": jnp.floor_divide,
+    "mod": jnp.mod,
+    "pow": jnp.power,
+    "matmul": jnp.matmul,
+    "and": jnp.bitwise_and,
+    "or": jnp.bitwise_or,
+    "xor": jnp.bitwise_xor,
 }
 for _n, _f in _BINARY.items():
     setattr(GlobalTensor, f"__{_n}__", _binary(_f))
     setattr(GlobalTensor, f"__r{_n}__", _binary(_f, reflected=True))
-for _n, _f in {"lt": jnp.less, "le": jnp.less_equal, "gt": jnp.greater, "ge": jnp.greater_equal,
-               "eq": jnp.equal, "ne": jnp.not_equal}.items():
+for _n, _f in {
+    "lt": jnp.less,
+    "le": jnp.less_equal,
+    "gt": jnp.greater,
+    "ge": jnp.greater_equal,
+    "eq": jnp.equal,
+    "ne": jnp.not_equal,
+}.items():
     setattr(GlobalTensor, f"__{_n}__", _binary(_f))
 GlobalTensor.__hash__ = object.__hash__  # __eq__ is elementwise, identity hash stays
-for _n, _f in {"neg": jnp.negative, "pos": jnp.positive, "abs": jnp.abs, "invert": jnp.invert}.items():
+for _n, _f in {
+    "neg": jnp.negative,
+    "pos": jnp.positive,
+    "abs": jnp.abs,
+    "invert": jnp.invert,
+}.items():
     setattr(GlobalTensor, f"__{_n}__", _unary(_f))
 
 
@@ -177,12 +234,39 @@ def _method(fn):
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
         return eager(fn, self, *args, **kwargs)
+
     return method
 
 
-for _n in ("sum", "mean", "max", "min", "prod", "argmax", "argmin", "var", "std", "cumsum",
-           "exp", "log", "tanh", "sqrt", "abs", "square", "sin", "cos", "clip", "round", "squeeze",
-           "expand_dims", "any", "all", "swapaxes", "ravel", "flatten" if hasattr(jnp, "flatten") else "ravel"):
+for _n in (
+    "sum",
+    "mean",
+    "max",
+    "min",
+    "prod",
+    "argmax",
+    "argmin",
+    "var",
+    "std",
+    "cumsum",
+    "exp",
+    "log",
+    "tanh",
+    "sqrt",
+    "abs",
+    "square",
+    "sin",
+    "cos",
+    "clip",
+    "round",
+    "squeeze",
+    "expand_dims",
+    "any",
+    "all",
+    "swapaxes",
+    "ravel",
+    "flatten" if hasattr(jnp, "flatten") else "ravel",
+):
     setattr(GlobalTensor, _n, _method(getattr(jnp, _n)))
 
 

@@ -51,7 +51,11 @@ def _ranks_array(ranks) -> np.ndarray:
             f"ranks {ranks!r} are ragged; give a rectangular nested list of device ids, e.g. "
             "[[0, 1], [2, 3]]."
         ) from None
-    if arr.dtype == object and arr.size and any(isinstance(v, (list, tuple, np.ndarray)) for v in arr.flat):
+    if (
+        arr.dtype == object
+        and arr.size
+        and any(isinstance(v, (list, tuple, np.ndarray)) for v in arr.flat)
+    ):
         raise PlacementError(
             f"ranks {ranks!r} are ragged; every row must have the same number of device ids."
         )
@@ -88,7 +92,9 @@ class placement:  # noqa: N801 - lower-case like OneFlow's flow.placement
         flat = arr.reshape(-1).tolist()
         dup = sorted({r for r in flat if flat.count(r) > 1})
         if dup:
-            raise PlacementError(f"ranks {arr.tolist()} repeat device id(s) {dup}; each device may appear once.")
+            raise PlacementError(
+                f"ranks {arr.tolist()} repeat device id(s) {dup}; each device may appear once."
+            )
         known = _devices_of(t)
         if not known:
             raise PlacementError(
@@ -97,10 +103,12 @@ class placement:  # noqa: N801 - lower-case like OneFlow's flow.placement
             )
         missing = [r for r in flat if r not in known]
         if missing:
-            other = [r for r in missing if any(r in _devices_of(o) for o in ("cpu", "gpu", "tpu") if o != t)]
-            hint = (
-                f" (id(s) {other} belong to another device type)" if other else ""
-            )
+            other = [
+                r
+                for r in missing
+                if any(r in _devices_of(o) for o in ("cpu", "gpu", "tpu") if o != t)
+            ]
+            hint = f" (id(s) {other} belong to another device type)" if other else ""
             raise PlacementError(
                 f"device id(s) {missing} are not {t!r} devices{hint}; valid {t} ids are "
                 f"{sorted(known)}."
@@ -131,7 +139,9 @@ class placement:  # noqa: N801 - lower-case like OneFlow's flow.placement
         t = _normalise_type(type)
         ids = sorted(_devices_of(t))
         if not ids:
-            raise PlacementError(f"no {t!r} devices are available to JAX here (backends: {_backends()}).")
+            raise PlacementError(
+                f"no {t!r} devices are available to JAX here (backends: {_backends()})."
+            )
         return cls(t, ids, axis_names)
 
     # -- properties ------------------------------------------------------------------------
@@ -208,7 +218,11 @@ class placement:  # noqa: N801 - lower-case like OneFlow's flow.placement
         return self._hash
 
     def __repr__(self):
-        names = "" if self._axis_names == tuple(f"ax{i}" for i in range(self.ndim)) else f", axis_names={self._axis_names}"
+        names = (
+            ""
+            if self._axis_names == tuple(f"ax{i}" for i in range(self.ndim))
+            else f", axis_names={self._axis_names}"
+        )
         return f"placement(type={self._type!r}, ranks={self._ranks.tolist()}{names})"
 
     def __str__(self):

@@ -125,8 +125,12 @@ class Node:
     operands: list  # per operand: value key or None (a literal)
     outputs: list  # per output: value key or None (dropped)
     cost: np.ndarray  # per candidate: redundant compute (byte-equivalents)
-    kind: object = 0  # equal for equations sharing one candidate list (same rule, parameters, types)
-    scope: int | None = None  # the inlined loop / cond whose body (or boundary) it belongs to (``_Scope``)
+    kind: object = (
+        0  # equal for equations sharing one candidate list (same rule, parameters, types)
+    )
+    scope: int | None = (
+        None  # the inlined loop / cond whose body (or boundary) it belongs to (``_Scope``)
+    )
 
 
 @dataclasses.dataclass
@@ -137,7 +141,9 @@ class Value:
     nd: tuple | None = None
     anchored: bool = False  # a program input (``ANCHOR_BYTES``)
     uses: list = dataclasses.field(default_factory=list)  # (node index, operand index)
-    shared: set = dataclasses.field(default_factory=set)  # fixed targets sharing the conversion cache
+    shared: set = dataclasses.field(
+        default_factory=set
+    )  # fixed targets sharing the conversion cache
     own: list = dataclasses.field(default_factory=list)  # fixed targets each converting alone
     # (src, dst) -> ``Problem.edge``, one table per (shape, itemsize, anchored), set on first use
     costs: dict | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -153,13 +159,17 @@ class Problem:
     # node index -> its candidate in the starting plan, where the plan's steps do not tell
     # (an inlined loop body's nodes, its boundary's: ``_inline_loop``)
     preset: dict = dataclasses.field(default_factory=dict)
-    scopes: dict = dataclasses.field(default_factory=dict)  # scope id -> ``_Scope`` (inlined loops / conds)
+    scopes: dict = dataclasses.field(
+        default_factory=dict
+    )  # scope id -> ``_Scope`` (inlined loops / conds)
 
     def table(self, v: Value) -> dict:
         """(src, dst) -> the unweighted ``edge`` cost, one table per (shape, itemsize, anchored)."""
         table = v.costs
         if table is None:
-            table = v.costs = self._cost_cache.setdefault(("edges", v.shape, v.itemsize, v.anchored), {})
+            table = v.costs = self._cost_cache.setdefault(
+                ("edges", v.shape, v.itemsize, v.anchored), {}
+            )
         return table
 
     def edge(self, v: Value, src, dst) -> float:
@@ -178,7 +188,11 @@ class Problem:
             cost, path = _best(src, dst, len(v.shape), self.hierarchy, total)
             # a local move (slice, zero-fill) is an op of its own that copies at least the
             # smallest piece: not free
-            cost += sum(LOCAL_MOVE_BYTES + total / math.prod(self.hierarchy) for m in path if not m.collective)
+            cost += sum(
+                LOCAL_MOVE_BYTES + total / math.prod(self.hierarchy)
+                for m in path
+                if not m.collective
+            )
             if v.anchored and any(m.collective for m in path):
                 cost += ANCHOR_BYTES
             hit = table[(src, dst)] = cost
@@ -234,7 +248,9 @@ def build(inf, prog, jaxpr, out_nd, weights=None) -> Problem:
         for st in p.steps:
             if st.kind == "call":
                 walk(st.sub)
-            elif st.kind in _INLINE:  # a loop, a cond: its bodies' equations and its boundary are nodes
+            elif (
+                st.kind in _INLINE
+            ):  # a loop, a cond: its bodies' equations and its boundary are nodes
                 _INLINE[st.kind](inf, st, nodes, values, value, fixed_value, preset, scopes)
             elif id(st.eqn) in traced:  # a primitive with candidate signatures (its rule's)
                 _, eqn, cur, cands = traced[id(st.eqn)]
@@ -286,8 +302,11 @@ def build(inf, prog, jaxpr, out_nd, weights=None) -> Problem:
         for n, m in zip(nodes, mult):
             n.cost *= m
         for val in values.values():
-            val.weight *= mult[val.producer[0]] if val.producer is not None else \
-                max((mult[f] for f, _ in val.uses), default=1.0)
+            val.weight *= (
+                mult[val.producer[0]]
+                if val.producer is not None
+                else max((mult[f] for f, _ in val.uses), default=1.0)
+            )
     return Problem(hier, nodes, values, preset=preset, scopes=scopes)
 
 
@@ -320,7 +339,9 @@ class _Scope:
     eqn: object  # the step's equation (its plan is keyed by its id in the pass that follows it)
     bodies: list  # [(``_compiler._Inference``, indices of the nodes directly in that body)]
     roles: dict = dataclasses.field(default_factory=dict)
-    parent: tuple | None = None  # (scope id, body index) of the body it is nested in; None: top scope
+    parent: tuple | None = (
+        None  # (scope id, body index) of the body it is nested in; None: top scope
+    )
 
 
 @dataclasses.dataclass
@@ -362,7 +383,10 @@ def _layouts(aval, hier) -> list[tuple]:
     take: per axis B, P (sum; numbers only, not booleans or PRNG keys) or a split of a dim at least
     as long as the axis."""
     partial = [_sbp.partial_sum] if jax.dtypes.issubdtype(aval.dtype, np.number) else []
-    per = [[_BCAST, *partial] + [_sbp.Split(d) for d, n in enumerate(aval.shape) if n >= size] for size in hier]
+    per = [
+        [_BCAST, *partial] + [_sbp.Split(d) for d, n in enumerate(aval.shape) if n >= size]
+        for size in hier
+    ]
     return list(itertools.product(*per))
 
 
@@ -379,7 +403,13 @@ class _Inliner:
 
     def __init__(self, inf, st, nodes, values, value, fixed_value, preset, kind):
         self.inf, self.st, self.eqn = inf, st, st.eqn
-        self.nodes, self.values, self.value, self.fixed_value, self.preset = nodes, values, value, fixed_value, preset
+        self.nodes, self.values, self.value, self.fixed_value, self.preset = (
+            nodes,
+            values,
+            value,
+            fixed_value,
+            preset,
+        )
         self.sid = next(_SCOPE_IDS)  # (not id(equation): a nested step's equation may be met twice)
         self.scope = _Scope(kind, st.eqn, [])
         self.nested: dict = {}  # the scopes of steps nested in its bodies, re-indexed
@@ -391,8 +421,14 @@ class _Inliner:
 
         token = _IN_BODY.set(in_body)
         try:
-            bprog, binf = _search_pass(self.inf.placement, closed.jaxpr, closed.consts, in_layouts, out_nd,
-                                       strict=self.inf.strict)
+            bprog, binf = _search_pass(
+                self.inf.placement,
+                closed.jaxpr,
+                closed.consts,
+                in_layouts,
+                out_nd,
+                strict=self.inf.strict,
+            )
             q = build(binf, bprog, closed.jaxpr, None)
         finally:
             _IN_BODY.reset(token)
@@ -403,21 +439,35 @@ class _Inliner:
             return (self.sid, b, k)
 
         for n in q.nodes:
-            self.nodes.append(dataclasses.replace(
-                n, operands=[None if k is None else wrap(k) for k in n.operands],
-                outputs=[None if k is None else wrap(k) for k in n.outputs], cost=n.cost * times,
-                scope=self.sid if n.scope is None else n.scope))
+            self.nodes.append(
+                dataclasses.replace(
+                    n,
+                    operands=[None if k is None else wrap(k) for k in n.operands],
+                    outputs=[None if k is None else wrap(k) for k in n.outputs],
+                    cost=n.cost * times,
+                    scope=self.sid if n.scope is None else n.scope,
+                )
+            )
         for k, val in q.values.items():
             self.values[wrap(k)] = dataclasses.replace(
-                val, producer=None if val.producer is None else (val.producer[0] + off, val.producer[1]),
-                uses=[(u + off, i) for u, i in val.uses], weight=val.weight * times, anchored=False, costs=None)
+                val,
+                producer=None if val.producer is None else (val.producer[0] + off, val.producer[1]),
+                uses=[(u + off, i) for u, i in val.uses],
+                weight=val.weight * times,
+                anchored=False,
+                costs=None,
+            )
         self.preset.update((off + u, c) for u, c in enumerate(start))
-        self.scope.bodies.append((binf, [off + u for u, n in enumerate(q.nodes) if n.scope is None]))
+        self.scope.bodies.append(
+            (binf, [off + u for u, n in enumerate(q.nodes) if n.scope is None])
+        )
         for nid, sc in q.scopes.items():  # steps nested in this body (inlined by ``build`` in turn)
             self.nested[nid] = dataclasses.replace(
-                sc, bodies=[(bi, [off + u for u in us]) for bi, us in sc.bodies],
+                sc,
+                bodies=[(bi, [off + u for u in us]) for bi, us in sc.bodies],
                 roles={r: [off + u for u in us] for r, us in sc.roles.items()},
-                parent=(self.sid, b) if sc.parent is None else sc.parent)
+                parent=(self.sid, b) if sc.parent is None else sc.parent,
+            )
         return lambda v: None if isinstance(v, jcore.Literal) else wrap(binf.key(v))
 
     def done(self, scopes) -> None:
@@ -449,8 +499,17 @@ class _Inliner:
             if k is not None:
                 val = self.values[k]
                 val.producer, val.nd = (u, i), None
-        self.nodes.append(Node(_Mark(self.eqn, role, j), cands, list(operands), list(outputs), np.zeros(len(cands)),
-                               kind=("boundary", role, tuple(cands)), scope=self.sid))
+        self.nodes.append(
+            Node(
+                _Mark(self.eqn, role, j),
+                cands,
+                list(operands),
+                list(outputs),
+                np.zeros(len(cands)),
+                kind=("boundary", role, tuple(cands)),
+                scope=self.sid,
+            )
+        )
         self.preset[u] = 0
         self.scope.roles.setdefault(role, []).append(u)
 
@@ -471,7 +530,12 @@ def _inline_loop(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
     eqn = st.eqn
     if eqn.primitive.name == "scan":
         nc, nk = scan_counts(eqn.params)
-        first, trips, closed, body_prog = 0, float(eqn.params["length"]), eqn.params["jaxpr"], st.sub
+        first, trips, closed, body_prog = (
+            0,
+            float(eqn.params["length"]),
+            eqn.params["jaxpr"],
+            st.sub,
+        )
     else:  # a while: operands (condition constants, body constants, carry)
         first, nc = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         nk = len(eqn.invars) - first - nc
@@ -483,24 +547,50 @@ def _inline_loop(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
     hier = add.hier
     for i in range(nc):
         ref = st.in_layouts[first + i].nd_sbp
-        add.boundary("const", i, [((t,), (t,)) for t in _layouts(bj.invars[i].aval, hier)],
-                     ((ref,), (ref,)), [add.outer_in(first + i)], [inner(bj.invars[i])])
+        add.boundary(
+            "const",
+            i,
+            [((t,), (t,)) for t in _layouts(bj.invars[i].aval, hier)],
+            ((ref,), (ref,)),
+            [add.outer_in(first + i)],
+            [inner(bj.invars[i])],
+        )
     for j in range(nk):
         sig = lambda t: ((t, t), (t, t))  # noqa: E731
-        add.boundary("carry", j, [sig(t) for t in _layouts(bj.invars[nc + j].aval, hier)],
-                     sig(st.out_layouts[j].nd_sbp), [add.outer_in(first + nc + j), inner(bj.outvars[j])],
-                     [inner(bj.invars[nc + j]), add.outer_out(j)])
+        add.boundary(
+            "carry",
+            j,
+            [sig(t) for t in _layouts(bj.invars[nc + j].aval, hier)],
+            sig(st.out_layouts[j].nd_sbp),
+            [add.outer_in(first + nc + j), inner(bj.outvars[j])],
+            [inner(bj.invars[nc + j]), add.outer_out(j)],
+        )
     for i in range(first + nc + nk, len(eqn.invars)):  # (a scan's: ``first`` is 0)
         ref = st.in_layouts[i].nd_sbp
-        cands = [((t,), (_shift_split(t, -1),)) for t in _layouts(eqn.invars[i].aval, hier)
-                 if not any(x.is_split and x.dim == 0 for x in t)]
-        add.boundary("xs", i - nc - nk, cands, ((ref,), (_shift_split(ref, -1),)), [add.outer_in(i)],
-                     [inner(bj.invars[i])])
+        cands = [
+            ((t,), (_shift_split(t, -1),))
+            for t in _layouts(eqn.invars[i].aval, hier)
+            if not any(x.is_split and x.dim == 0 for x in t)
+        ]
+        add.boundary(
+            "xs",
+            i - nc - nk,
+            cands,
+            ((ref,), (_shift_split(ref, -1),)),
+            [add.outer_in(i)],
+            [inner(bj.invars[i])],
+        )
     for j in range(nk, len(bj.outvars)):
         ref = _shift_split(st.out_layouts[j].nd_sbp, -1)
         cands = [((t,), (_shift_split(t, +1),)) for t in _layouts(bj.outvars[j].aval, hier)]
-        add.boundary("ys", j - nk, cands, ((ref,), (_shift_split(ref, +1),)), [inner(bj.outvars[j])],
-                     [add.outer_out(j)])
+        add.boundary(
+            "ys",
+            j - nk,
+            cands,
+            ((ref,), (_shift_split(ref, +1),)),
+            [inner(bj.outvars[j])],
+            [add.outer_out(j)],
+        )
     add.done(scopes)
 
 
@@ -514,20 +604,33 @@ def _inline_cond(inf, st, nodes, values, value, fixed_value, preset, scopes) -> 
     add = _Inliner(inf, st, nodes, values, value, fixed_value, preset, "cond")
     out_nd = [l.nd_sbp for l in st.out_layouts]
     branches = eqn.params["branches"]
-    inner = [add.body(closed, sub.in_layouts, out_nd, 1.0, False) for closed, sub in zip(branches, st.sub)]
+    inner = [
+        add.body(closed, sub.in_layouts, out_nd, 1.0, False)
+        for closed, sub in zip(branches, st.sub)
+    ]
     hier, nb = add.hier, len(branches)
     if (k := add.outer_in(0)) is not None:
         values[k].own.append(_b(hier))
     for i in range(1, len(eqn.invars)):
         ref = st.in_layouts[i].nd_sbp
-        add.boundary("ops", i - 1, [((t,), (t,) * nb) for t in _layouts(eqn.invars[i].aval, hier)],
-                     ((ref,), (ref,) * nb), [add.outer_in(i)],
-                     [f(closed.jaxpr.invars[i - 1]) for f, closed in zip(inner, branches)])
+        add.boundary(
+            "ops",
+            i - 1,
+            [((t,), (t,) * nb) for t in _layouts(eqn.invars[i].aval, hier)],
+            ((ref,), (ref,) * nb),
+            [add.outer_in(i)],
+            [f(closed.jaxpr.invars[i - 1]) for f, closed in zip(inner, branches)],
+        )
     for j, v in enumerate(eqn.outvars):
         ref = st.out_layouts[j].nd_sbp
-        add.boundary("results", j, [((t,) * nb, (t,)) for t in _layouts(v.aval, hier)],
-                     ((ref,) * nb, (ref,)), [f(closed.jaxpr.outvars[j]) for f, closed in zip(inner, branches)],
-                     [add.outer_out(j)])
+        add.boundary(
+            "results",
+            j,
+            [((t,) * nb, (t,)) for t in _layouts(v.aval, hier)],
+            ((ref,) * nb, (ref,)),
+            [f(closed.jaxpr.outvars[j]) for f, closed in zip(inner, branches)],
+            [add.outer_out(j)],
+        )
     add.done(scopes)
 
 
@@ -546,7 +649,9 @@ def decisions(prob: Problem, choice: list[int]) -> tuple[dict, dict]:
         if h is None:
             continue
         at = None
-        while isinstance(k, tuple) and len(k) == 3 and k[0] in prob.scopes:  # (unwrapped to its body's key)
+        while (
+            isinstance(k, tuple) and len(k) == 3 and k[0] in prob.scopes
+        ):  # (unwrapped to its body's key)
             at, k = k[:2], k[2]
         hubs_at.setdefault(at, {})[k] = h
     children: dict = {}
@@ -564,14 +669,18 @@ def decisions(prob: Problem, choice: list[int]) -> tuple[dict, dict]:
         def pick(role, side):
             return [prob.nodes[u].cands[choice[u]][side][0] for u in sc.roles.get(role, ())]
 
-        bodies = [BodyPlan(fixed_of((sid, b), us), hubs_at.get((sid, b), {}), ref)
-                  for b, (ref, us) in enumerate(sc.bodies)]
+        bodies = [
+            BodyPlan(fixed_of((sid, b), us), hubs_at.get((sid, b), {}), ref)
+            for b, (ref, us) in enumerate(sc.bodies)
+        ]
         if sc.kind == "loop":
             (body,) = bodies
             return LoopPlan(*[pick(r, 0) for r in ("const", "carry", "xs", "ys")], body)
         return CondPlan(pick("ops", 0), pick("results", 1), bodies)
 
-    return fixed_of(None, [u for u, n in enumerate(prob.nodes) if n.scope is None]), hubs_at.get(None, {})
+    return fixed_of(None, [u for u, n in enumerate(prob.nodes) if n.scope is None]), hubs_at.get(
+        None, {}
+    )
 
 
 # -------------------------------------------------------------------------------------------
@@ -623,8 +732,12 @@ def _layout_of(prob, val, choice):
 # -------------------------------------------------------------------------------------------
 
 
-def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = False,
-              incumbent: float | None = None) -> list[int] | None:
+def solve_ilp(
+    prob: Problem,
+    time_limit: float | None = None,
+    quick: bool = False,
+    incumbent: float | None = None,
+) -> list[int] | None:
     """The optimal choice per node (``scipy.optimize.milp`` with HiGHS), or None if the solver
     found no solution in time or scipy is not installed. Formulation (one row per item):
 
@@ -696,9 +809,21 @@ def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = Fals
                 asks.setdefault(tau, []).append(colset)
         for tau in val.shared:
             asks.setdefault(tau, []).append(None)
-        if val.producer is not None and readers and len(srcs) * sum(map(len, readers)) <= ILP_JOINT_MAX:
-            r, nvar = _joint_rows(prob, val, srcs, readers, r, nvar, (rows, cols, data, lo, hi),
-                                  (extra_cost, extra_lb, extra_ub))
+        if (
+            val.producer is not None
+            and readers
+            and len(srcs) * sum(map(len, readers)) <= ILP_JOINT_MAX
+        ):
+            r, nvar = _joint_rows(
+                prob,
+                val,
+                srcs,
+                readers,
+                r,
+                nvar,
+                (rows, cols, data, lo, hi),
+                (extra_cost, extra_lb, extra_ub),
+            )
             continue
         for tau, uses in asks.items():
             cs = {sigma: prob.edge(val, sigma, tau) for sigma in srcs}
@@ -775,17 +900,28 @@ def solve_ilp(prob: Problem, time_limit: float | None = None, quick: bool = Fals
     integ = np.concatenate(integ + [np.zeros(n_extra)])
     a = coo_matrix((data, (rows, cols)), shape=(r, nvar)).tocsr()
     x, bound = _integral_relaxation(c, a, np.asarray(lo), np.asarray(hi), lb, ub, integ, time_limit)
-    if x is None and (quick or (incumbent is not None and bound + offset > incumbent - MILP_MIN_GAIN)):
+    if x is None and (
+        quick or (incumbent is not None and bound + offset > incumbent - MILP_MIN_GAIN)
+    ):
         return None
     if x is None:
-        res = milp(c, constraints=LinearConstraint(a, lo, hi), integrality=integ, bounds=Bounds(lb, ub),
-                   options={"time_limit": time_limit, "node_limit": ILP_NODE_LIMIT, "disp": False,
-                            "mip_rel_gap": 1e-6})
+        res = milp(
+            c,
+            constraints=LinearConstraint(a, lo, hi),
+            integrality=integ,
+            bounds=Bounds(lb, ub),
+            options={
+                "time_limit": time_limit,
+                "node_limit": ILP_NODE_LIMIT,
+                "disp": False,
+                "mip_rel_gap": 1e-6,
+            },
+        )
         if res.x is None:
             return None
         x = res.x
     x = x[:nx]
-    return [int(np.argmax(x[base[u]: base[u + 1]])) for u in range(len(nodes))]
+    return [int(np.argmax(x[base[u] : base[u + 1]])) for u in range(len(nodes))]
 
 
 def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit):
@@ -802,8 +938,16 @@ def _integral_relaxation(c, a, lo, hi, lb, ub, integ, time_limit):
     up, down = ~eq & np.isfinite(hi), ~eq & np.isfinite(lo)
     a_ub = vstack([a[up], -a[down]]).tocsr() if up.any() or down.any() else None
     b_ub = np.concatenate([hi[up], -lo[down]]) if a_ub is not None else None
-    res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a[eq] if eq.any() else None, b_eq=lo[eq] if eq.any() else None,
-                  bounds=np.stack([lb, ub], axis=1), method="highs", options={"time_limit": time_limit, "presolve": False})
+    res = linprog(
+        c,
+        A_ub=a_ub,
+        b_ub=b_ub,
+        A_eq=a[eq] if eq.any() else None,
+        b_eq=lo[eq] if eq.any() else None,
+        bounds=np.stack([lb, ub], axis=1),
+        method="highs",
+        options={"time_limit": time_limit, "presolve": False},
+    )
     if res.status != 0 or res.x is None:
         return None, -np.inf
     xi = res.x[integ > 0]
@@ -857,15 +1001,24 @@ def _joint_rows(prob, val, srcs, readers, r, nvar, mat, var):
     for per in readers:
         taus = list(per.items())
         width = len(taus)
-        first = new_vars([0.0 if (sigma, tau) in conv else edge.get((sigma, tau), 0.0)
-                          for sigma in sig for tau, _ in taus])
+        first = new_vars(
+            [
+                0.0 if (sigma, tau) in conv else edge.get((sigma, tau), 0.0)
+                for sigma in sig
+                for tau, _ in taus
+            ]
+        )
         for a, sigma in enumerate(sig):  # sum_τ w[σ, τ] = l_σ
             row(range(first + a * width, first + (a + 1) * width), srcs[sigma], 0.0, 0.0)
         for b, (_, colset) in enumerate(taus):  # sum_σ w[σ, τ] = the reader's share of τ
             row(range(first + b, first + len(sig) * width, width), colset, 0.0, 0.0)
         # W[σ, τ] >= w[σ, τ] (the most numerous rows: two entries each, appended at once)
-        pairs = [(w_col, first + a * width + b) for b, (tau, _) in enumerate(taus)
-                 for a, sigma in enumerate(sig) if (w_col := conv.get((sigma, tau))) is not None]
+        pairs = [
+            (w_col, first + a * width + b)
+            for b, (tau, _) in enumerate(taus)
+            for a, sigma in enumerate(sig)
+            if (w_col := conv.get((sigma, tau))) is not None
+        ]
         cols.extend(c for pair in pairs for c in pair)
         rows.extend(x for i in range(r, r + len(pairs)) for x in (i, i))
         data.extend((1.0, -1.0) * len(pairs))
@@ -991,7 +1144,9 @@ class _Tables:
                 self.outs.append((k, *_index([outs[j] for _, outs in n.cands])))
         self.repeated = []
         if len({k for k, _ in reads}) < len(reads):
-            self.repeated = [s for s in range(len(n.cands)) if len(_reads(n, reads, s)) < len(reads)]
+            self.repeated = [
+                s for s in range(len(n.cands)) if len(_reads(n, reads, s)) < len(reads)
+            ]
 
 
 def _index(items):
@@ -1078,8 +1233,13 @@ class _Pairwise:
             else:
                 self.edge(val.producer[0], f, _matrix(prob, val, src, dst))
             return
-        labels = list(dict.fromkeys(
-            [val.nd] if src is None else src + [ins[i] for f, i in readers for ins, _ in nodes[f].cands]))
+        labels = list(
+            dict.fromkeys(
+                [val.nd]
+                if src is None
+                else src + [ins[i] for f, i in readers for ins, _ in nodes[f].cands]
+            )
+        )
         labels += [t for t in val.shared if t not in labels]
         hub_cost = np.array([float(sum(prob.edge(val, h, t) for t in val.shared)) for h in labels])
         if src is None:
@@ -1149,7 +1309,9 @@ def _matrix(prob, val, src, dst) -> np.ndarray:
     su, du = tuple(dict.fromkeys(src)), tuple(dict.fromkeys(dst))
     key = (val.shape, val.itemsize, val.anchored, su, du)
     small = prob._cost_cache.get(key)
-    if small is None:  # unweighted (``Problem.edge`` of a value of weight 1), shared by every weight
+    if (
+        small is None
+    ):  # unweighted (``Problem.edge`` of a value of weight 1), shared by every weight
         one = val if val.weight == 1.0 else dataclasses.replace(val, weight=1.0)
         table, rows = prob.table(one), []
         for a in su:
@@ -1169,7 +1331,7 @@ def _icm(unary, adj, core, label, sweeps: int = 20):
     """Iterated conditional modes on the pairwise model, over the nodes in ``core``."""
     for sweep in range(sweeps):
         changed = False
-        for u in (core if sweep % 2 == 0 else reversed(core)):
+        for u in core if sweep % 2 == 0 else reversed(core):
             cost = unary[u].copy()
             for b, m in adj[u].items():
                 cost += m[:, label[b]]
@@ -1205,24 +1367,39 @@ def roles(prob: Problem, rounds: int = ROLE_ROUNDS) -> list[int]:
 
     def fixed(k):
         val = values[k]
-        return (val.nd, val.shape, val.itemsize, val.anchored, tuple(val.own), tuple(sorted(map(repr, val.shared))))
+        return (
+            val.nd,
+            val.shape,
+            val.itemsize,
+            val.anchored,
+            tuple(val.own),
+            tuple(sorted(map(repr, val.shared))),
+        )
 
     intern: dict = {}
     colour = []
     for n in nodes:
-        ops = tuple(None if k is None else ("in", values[k].producer is None and fixed(k)) for k in n.operands)
-        outs = tuple(None if k is None else (tuple(values[k].own), len(values[k].shared)) for k in n.outputs)
+        ops = tuple(
+            None if k is None else ("in", values[k].producer is None and fixed(k))
+            for k in n.operands
+        )
+        outs = tuple(
+            None if k is None else (tuple(values[k].own), len(values[k].shared)) for k in n.outputs
+        )
         colour.append(intern.setdefault((n.kind, ops, outs), len(intern)))
     for _ in range(rounds):
         intern = {}
         new = []
         for n, c in zip(nodes, colour):
             ins = tuple(
-                None if k is None or values[k].producer is None else (colour[values[k].producer[0]], values[k].producer[1])
+                None
+                if k is None or values[k].producer is None
+                else (colour[values[k].producer[0]], values[k].producer[1])
                 for k in n.operands
             )
             outs = tuple(
-                None if k is None else tuple(sorted((colour[f], i) for f, i in values[k].uses)) for k in n.outputs
+                None if k is None else tuple(sorted((colour[f], i) for f, i in values[k].uses))
+                for k in n.outputs
             )
             new.append(intern.setdefault((c, ins, outs), len(intern)))
         done = len(intern) == len(set(colour))
@@ -1258,8 +1435,16 @@ def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[i
 
     def role_of_value(val):
         if val.producer is None:
-            return ("fixed", val.nd, val.shape, val.itemsize, val.anchored, tuple(val.own),
-                    frozenset(val.shared), frozenset((of[f], i) for f, i in val.uses))
+            return (
+                "fixed",
+                val.nd,
+                val.shape,
+                val.itemsize,
+                val.anchored,
+                tuple(val.own),
+                frozenset(val.shared),
+                frozenset((of[f], i) for f, i in val.uses),
+            )
         return ("made", of[val.producer[0]], val.producer[1])
 
     qvalues: dict = {}
@@ -1271,8 +1456,14 @@ def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[i
         qv = qvalues.get(qk)
         if qv is None:
             qv = qvalues[qk] = dataclasses.replace(
-                val, producer=None if val.producer is None else qk[1:], uses=set(), shared=set(val.shared),
-                own=list(val.own), weight=0.0, costs=val.costs)
+                val,
+                producer=None if val.producer is None else qk[1:],
+                uses=set(),
+                shared=set(val.shared),
+                own=list(val.own),
+                weight=0.0,
+                costs=val.costs,
+            )
         qv.weight += val.weight
         qv.uses.update((of[f], i) for f, i in val.uses)
     for qv in qvalues.values():
@@ -1283,7 +1474,9 @@ def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[i
         n = nodes[rep[r]]
         cost = np.sum([nodes[u].cost for u in ms], axis=0)
         operands = [
-            None if k is None else Counter(vrole[nodes[u].operands[i]] for u in ms).most_common(1)[0][0]
+            None
+            if k is None
+            else Counter(vrole[nodes[u].operands[i]] for u in ms).most_common(1)[0][0]
             for i, k in enumerate(n.operands)
         ]
         outputs = [None if k is None else ("made", r, j) for j, k in enumerate(n.outputs)]
@@ -1296,8 +1489,17 @@ def quotient(prob: Problem, role: list[int]) -> tuple[Problem, list[int], list[i
 # -------------------------------------------------------------------------------------------
 
 
-def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cache=None, all_plans=False,
-           weights=None):
+def search(
+    placement,
+    jaxpr,
+    consts,
+    in_layouts,
+    out_nd=None,
+    strict=False,
+    cache=None,
+    all_plans=False,
+    weights=None,
+):
     """The globally planned ``Program`` of ``jaxpr`` (``_compiler.infer``'s planner when
     ``JSBP_PLANNER=global``); the arguments are ``_compiler._search``'s.
 
@@ -1328,7 +1530,11 @@ def search(placement, jaxpr, consts, in_layouts, out_nd=None, strict=False, cach
             n.cost[c] -= STICKY_BYTES
         choice = solve(prob, start)
         fixed, hubs = decisions(prob, choice)
-        if choice == start and not hubs and not any(isinstance(f, (LoopPlan, CondPlan)) for f in fixed.values()):
+        if (
+            choice == start
+            and not hubs
+            and not any(isinstance(f, (LoopPlan, CondPlan)) for f in fixed.values())
+        ):
             break  # the search's plan is the best found
         nxt = _Inference(placement, None, inf.cands_cache, strict=strict, copies=inf.copies)
         nxt.fixed, nxt.hubs = fixed, hubs
@@ -1385,8 +1591,14 @@ def _choice_of(prob: Problem, prog) -> list[int]:
 
     sigs = {}
     for _, st in iter_steps(prog):
-        sigs[id(st.eqn)] = (tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts))
-    return [prob.preset[u] if u in prob.preset else n.cands.index(sigs[id(n.eqn)]) for u, n in enumerate(prob.nodes)]
+        sigs[id(st.eqn)] = (
+            tuple(l.nd_sbp for l in st.in_layouts),
+            tuple(l.nd_sbp for l in st.out_layouts),
+        )
+    return [
+        prob.preset[u] if u in prob.preset else n.cands.index(sigs[id(n.eqn)])
+        for u, n in enumerate(prob.nodes)
+    ]
 
 
 ROUNDS = 2
@@ -1426,9 +1638,15 @@ a cheaper plan."""
 def restrict(prob: Problem, keep: list[list[int]], values: dict | None = None) -> Problem:
     """``prob`` with node ``u`` offered only its candidates ``keep[u]`` (a choice of the result maps
     back through ``keep``); ``values``: other values (fixed layouts, targets) in place of ``prob``'s."""
-    nodes = [dataclasses.replace(n, cands=[n.cands[s] for s in ks], cost=n.cost[ks], kind=(n.kind, tuple(ks)))
-             for n, ks in zip(prob.nodes, keep)]  # (equal kinds: equal candidate lists, as in ``build``)
-    return Problem(prob.hierarchy, nodes, prob.values if values is None else values, prob._cost_cache)
+    nodes = [
+        dataclasses.replace(
+            n, cands=[n.cands[s] for s in ks], cost=n.cost[ks], kind=(n.kind, tuple(ks))
+        )
+        for n, ks in zip(prob.nodes, keep)
+    ]  # (equal kinds: equal candidate lists, as in ``build``)
+    return Problem(
+        prob.hierarchy, nodes, prob.values if values is None else values, prob._cost_cache
+    )
 
 
 def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[int]:
@@ -1451,8 +1669,10 @@ def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[
     # per node, per axis: each candidate's signature on every other axis (what a step holds)
     held = []
     for n in prob.nodes:
-        parts = [[(tuple(nd[a] for nd in ins), tuple(nd[a] for nd in outs)) for ins, outs in n.cands]
-                 for a in range(ndim)]
+        parts = [
+            [(tuple(nd[a] for nd in ins), tuple(nd[a] for nd in outs)) for ins, outs in n.cands]
+            for a in range(ndim)
+        ]
         held.append([list(zip(*(parts[b] for b in range(ndim) if b != a))) for a in range(ndim)])
     choice, obj = list(start), objective(prob, start, hubs=False)
     settled: set = set()  # axes whose sub-problem the current choice solves
@@ -1464,7 +1684,9 @@ def by_axis(prob: Problem, start: list[int], sweeps: int = AXIS_SWEEPS) -> list[
         if axis in settled:
             continue
         settled.add(axis)
-        keep = [[s for s, h in enumerate(hs[axis]) if h == hs[axis][c]] for hs, c in zip(held, choice)]
+        keep = [
+            [s for s, h in enumerate(hs[axis]) if h == hs[axis][c]] for hs, c in zip(held, choice)
+        ]
         sub = restrict(prob, keep)
         if not _exact_fits(sub):
             continue
@@ -1505,7 +1727,9 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
     small = prob.nodes and _exact_fits(prob)
     if small and (got := solve_ilp(prob, incumbent=objective(prob, start, hubs=False))) is not None:
         return got if objective(prob, got) < objective(prob, start) - 1e-6 else start
-    axes = not small and prob.nodes and len(prob.hierarchy) >= 2  # too large for the exact solver: exact by axis
+    axes = (
+        not small and prob.nodes and len(prob.hierarchy) >= 2
+    )  # too large for the exact solver: exact by axis
     polish = len(prob.nodes) <= DESCEND_MAX_NODES and not axes
     best = descend(prob, start) if polish else start
     best_obj = objective(prob, best)
@@ -1518,7 +1742,9 @@ def _solve_direct(prob: Problem, start: list[int]) -> list[int]:
         got = make()
         if got is None:
             continue
-        for sol in (got, descend(prob, got)) if polish else (got,):  # (``descend`` does not see hubs: keep both)
+        for sol in (
+            (got, descend(prob, got)) if polish else (got,)
+        ):  # (``descend`` does not see hubs: keep both)
             obj = objective(prob, sol)
             if obj < best_obj - 1e-6:
                 best, best_obj = sol, obj

@@ -35,8 +35,20 @@ from .rules._registry import RuleContext
 
 B = _sbp.broadcast
 
-CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                   "custom_vjp_call_jaxpr", "remat", "checkpoint", "custom_lin"})
+CALLS = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "remat",
+        "checkpoint",
+        "custom_lin",
+    }
+)
 """Call-like primitives: their jaxpr is inlined into the caller's problem."""
 
 REQUESTS = frozenset({"jsbp_to_global", "reshard", "sharding_constraint"})
@@ -69,8 +81,14 @@ def _norm_sig(sig):
 def legal_signatures(placement, rule, eqn, cur=()) -> list[tuple[tuple, tuple]]:
     """The nd signatures ``rule`` offers for ``eqn`` on ``placement`` (per-axis rules expanded over
     the axes), normalised to tuples, without those that split a missing dim or mix partial kinds."""
-    ctx = RuleContext(eqn.primitive, dict(eqn.params), tuple(v.aval for v in eqn.invars),
-                      tuple(v.aval for v in eqn.outvars), placement.hierarchy, cur)
+    ctx = RuleContext(
+        eqn.primitive,
+        dict(eqn.params),
+        tuple(v.aval for v in eqn.invars),
+        tuple(v.aval for v in eqn.outvars),
+        placement.hierarchy,
+        cur,
+    )
     n_in, n_out = len(eqn.invars), len(eqn.outvars)
     ranks = [len(v.aval.shape) for v in eqn.invars] + [len(v.aval.shape) for v in eqn.outvars]
 
@@ -86,7 +104,10 @@ def legal_signatures(placement, rule, eqn, cur=()) -> list[tuple[tuple, tuple]]:
             ins, outs = _norm_sig(sig)
             arity(ins, outs)
             nds = [tuple(nd) for nd in (*ins, *outs)]
-            if all(one_partial_kind(nd) and all(_in_rank(x, r) for x in nd) for nd, r in zip(nds, ranks)):
+            if all(
+                one_partial_kind(nd) and all(_in_rank(x, r) for x in nd)
+                for nd, r in zip(nds, ranks)
+            ):
                 legal.append((tuple(nds[:n_in]), tuple(nds[n_in:])))
         return legal
     per_axis = []
@@ -160,8 +181,14 @@ class Problem:
         ``latency_bytes`` per collective, local moves' small charges)."""
         if src == dst:
             return 0.0
-        return conversion_cost(src, dst, val.shape, self.placement.hierarchy, itemsize(val.aval.dtype),
-                               self.model.latency_bytes)
+        return conversion_cost(
+            src,
+            dst,
+            val.shape,
+            self.placement.hierarchy,
+            itemsize(val.aval.dtype),
+            self.model.latency_bytes,
+        )
 
     def layout(self, val: Value, choice) -> tuple:
         if val.producer is None:
@@ -236,12 +263,23 @@ def call_jaxpr(eqn):
 
 def is_call(eqn) -> bool:
     name = eqn.primitive.name
-    return name in CALLS or (call_jaxpr(eqn) is not None and name not in _registry.registered()
-                             and name not in ("scan", "while", "cond", "custom_linear_solve"))
+    return name in CALLS or (
+        call_jaxpr(eqn) is not None
+        and name not in _registry.registered()
+        and name not in ("scan", "while", "cond", "custom_linear_solve")
+    )
 
 
-def build(placement, jaxpr, consts, in_layouts, out_nd=None, *, model: CostModel = DEFAULT_COST,
-          strict: bool = False) -> Problem:
+def build(
+    placement,
+    jaxpr,
+    consts,
+    in_layouts,
+    out_nd=None,
+    *,
+    model: CostModel = DEFAULT_COST,
+    strict: bool = False,
+) -> Problem:
     """The problem of ``jaxpr`` on ``placement``: inputs in ``in_layouts`` (Layouts), outputs
     asked in ``out_nd`` (per output an nd-sbp or None). Raises ``Unsupported`` for a program with
     a loop or a branch."""
@@ -266,8 +304,12 @@ def build(placement, jaxpr, consts, in_layouts, out_nd=None, *, model: CostModel
 
     def candidates(eqn):
         try:
-            key = (eqn.primitive, tuple(sorted(eqn.params.items())),
-                   tuple(v.aval for v in eqn.invars), tuple(v.aval for v in eqn.outvars))
+            key = (
+                eqn.primitive,
+                tuple(sorted(eqn.params.items())),
+                tuple(v.aval for v in eqn.invars),
+                tuple(v.aval for v in eqn.outvars),
+            )
             hash(key)
         except TypeError:
             key = eqn
@@ -277,12 +319,16 @@ def build(placement, jaxpr, consts, in_layouts, out_nd=None, *, model: CostModel
             if rule is None:
                 if strict:
                     shapes = ", ".join(f"{tuple(v.aval.shape)}" for v in eqn.invars)
-                    _registry.get_rule(eqn.primitive.name, op_desc=f" (operands of shape {shapes} on {placement})")
+                    _registry.get_rule(
+                        eqn.primitive.name, op_desc=f" (operands of shape {shapes} on {placement})"
+                    )
                 rule = _registry.replicated_rule(eqn.primitive.name)
             cands = legal_signatures(placement, rule, eqn)
             if not cands:
-                raise SbpError(f"no legal SBP signature for '{eqn.primitive.name}' on {placement}; "
-                               "box an operand with jsbp.to_global(..., sbp=...) to a layout the op supports.")
+                raise SbpError(
+                    f"no legal SBP signature for '{eqn.primitive.name}' on {placement}; "
+                    "box an operand with jsbp.to_global(..., sbp=...) to a layout the op supports."
+                )
             hit = cands_memo[key] = (rule, cands, _work(eqn, cands, hier, model))
         return hit
 
@@ -318,8 +364,11 @@ def build(placement, jaxpr, consts, in_layouts, out_nd=None, *, model: CostModel
                     for lay in layouts(shape, placement.ndim):
                         req = requested_nd(eqn, layout_of(placement, lay, shape), placement)
                         allowed.append(lay if req is None else req)
-                allowed = [nd for nd in dict.fromkeys(allowed) if one_partial_kind(nd)
-                           and all(_in_rank(s, len(shape)) for s in nd)]
+                allowed = [
+                    nd
+                    for nd in dict.fromkeys(allowed)
+                    if one_partial_kind(nd) and all(_in_rank(s, len(shape)) for s in nd)
+                ]
                 cands = [((nd,), (nd,)) for nd in allowed]
                 node = Node(eqn, cands, [x], [], np.zeros(len(cands)), kind="annotate")
             else:
@@ -367,7 +416,10 @@ def fresh_vars(jaxpr):
 
     constvars = [var(v) for v in jaxpr.constvars]
     invars = [var(v) for v in jaxpr.invars]
-    eqns = [e.replace(invars=[var(v) for v in e.invars], outvars=[var(v) for v in e.outvars])
-            for e in jaxpr.eqns]
-    return jaxpr.replace(constvars=constvars, invars=invars, outvars=[var(v) for v in jaxpr.outvars],
-                         eqns=eqns)
+    eqns = [
+        e.replace(invars=[var(v) for v in e.invars], outvars=[var(v) for v in e.outvars])
+        for e in jaxpr.eqns
+    ]
+    return jaxpr.replace(
+        constvars=constvars, invars=invars, outvars=[var(v) for v in jaxpr.outvars], eqns=eqns
+    )

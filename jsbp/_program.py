@@ -23,8 +23,12 @@ class Boxing:
     src: Layout
     dst: Layout
     moves: tuple[Move, ...]
-    reused: bool = False  # the same value was already boxed to ``dst`` earlier: no new communication
-    via: bool = False  # converts an earlier conversion of the value (to ``src``), not the value itself
+    reused: bool = (
+        False  # the same value was already boxed to ``dst`` earlier: no new communication
+    )
+    via: bool = (
+        False  # converts an earlier conversion of the value (to ``src``), not the value itself
+    )
     group: int | None = None  # runs inside combined collective ``group`` (``_combine``)
 
     @property

@@ -100,17 +100,33 @@ def plan(placement, jaxpr, consts, in_layouts, out_nd, strict, planner):
         r = next((r for r in kept if id(r) in planned), None)
         if r is not None:
             used[e] = r
-    stands = Counter(id(r) for r in used.values())  # id(equation) -> removed copies taking its signature
-    weights = {id(x): 1 + stands[id(e)] for x in r_jaxpr.eqns if (e := orig_of.get(id(x))) is not None}
+    stands = Counter(
+        id(r) for r in used.values()
+    )  # id(equation) -> removed copies taking its signature
+    weights = {
+        id(x): 1 + stands[id(e)] for x in r_jaxpr.eqns if (e := orig_of.get(id(x))) is not None
+    }
     cache: dict = {}
-    plans = planner(placement, r_jaxpr, r_consts, in_layouts, r_out_nd, strict, cache, all_plans=True,
-                    weights=weights)
+    plans = planner(
+        placement,
+        r_jaxpr,
+        r_consts,
+        in_layouts,
+        r_out_nd,
+        strict,
+        cache,
+        all_plans=True,
+        weights=weights,
+    )
     small = plans[0] if len(plans) == 1 else _best_for_whole(plans, orig_of, stands)
     decisions = {}
     for st in small.steps:
         e = orig_of.get(id(st.eqn))
         if e is not None:
-            decisions[id(e)] = (tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts))
+            decisions[id(e)] = (
+                tuple(l.nd_sbp for l in st.in_layouts),
+                tuple(l.nd_sbp for l in st.out_layouts),
+            )
     hubs = dict(small.hubs)
     for e, r in used.items():
         if id(r) not in decisions:
@@ -118,8 +134,12 @@ def plan(placement, jaxpr, consts, in_layouts, out_nd, strict, planner):
         decisions[id(e)] = decisions[id(r)]
         if hubs:  # a removed copy's values are served as its stand-in's are
             for v, w in zip([*rep.operands[e], *e.outvars], [*rep.operands[r], *r.outvars]):
-                if not isinstance(v, (jcore.Literal, jcore.DropVar)) and v not in hubs and \
-                        not isinstance(w, jcore.Literal) and w in hubs:
+                if (
+                    not isinstance(v, (jcore.Literal, jcore.DropVar))
+                    and v not in hubs
+                    and not isinstance(w, jcore.Literal)
+                    and w in hubs
+                ):
                     hubs[v] = hubs[w]
     follow = C._Inference(placement, None, cache, strict=strict, copies=copies)
     follow.fixed, follow.hubs = decisions, hubs
@@ -189,8 +209,9 @@ class _Repeats:
     def _flatten(self, jaxpr, copies, C):
         for e in jaxpr.eqns:
             if C._static_handler(e) is C._infer_call:
-                body, cs = copies.get(e) or copies.setdefault(e, (C.fresh_vars(C.call_jaxpr(e)[0]),
-                                                                  C.call_jaxpr(e)[1]))
+                body, cs = copies.get(e) or copies.setdefault(
+                    e, (C.fresh_vars(C.call_jaxpr(e)[0]), C.call_jaxpr(e)[1])
+                )
                 for bv, ov in zip(body.invars, e.invars):
                     self.alias[bv] = self.resolve(ov)
                 self.inner_consts += list(zip(body.constvars, cs))
@@ -303,7 +324,11 @@ class _Repeats:
             a, end = run[1], run[2]
             for i in range(a, end):
                 k = where[i][1]
-                others = [made[v][0] for v in self.entries[i][1] if not isinstance(v, jcore.Literal) and v in made]
+                others = [
+                    made[v][0]
+                    for v in self.entries[i][1]
+                    if not isinstance(v, jcore.Literal) and v in made
+                ]
                 for j in others + readers.get(i, []):
                     at = where.get(j)
                     if at is not None and id(at[0]) in done:
@@ -330,7 +355,14 @@ class _Repeats:
             n_win = (b + p - a) // p  # whole windows only: a last partial one is no copy
             if n_win < MIN_COPIES:
                 continue
-            run = [p, a, a + n_win * p, back, n_win, 0]  # ..., shift: its window k is the program's copy k + shift
+            run = [
+                p,
+                a,
+                a + n_win * p,
+                back,
+                n_win,
+                0,
+            ]  # ..., shift: its window k is the program's copy k + shift
             for i in range(a, a + n_win * p):
                 k, off = divmod(i - a, p)
                 where[i] = (run, n_win - 1 - k if back else k, off)
@@ -362,7 +394,9 @@ class _Repeats:
             g = k + run[5]
             if HEAD <= g < run[5] + run[4] - TAIL:
                 removed.add(i)
-                near = [index(run, w, off) for w in (*range(HEAD - 1, -1, -1), *kept_of(run)[HEAD:])]
+                near = [
+                    index(run, w, off) for w in (*range(HEAD - 1, -1, -1), *kept_of(run)[HEAD:])
+                ]
                 self.stand_in[entries[i][0]] = [entries[w][0] for w in near if w is not None]
         if len(removed) < MIN_REMOVED * len(entries):
             self.stand_in = {}
@@ -416,9 +450,15 @@ class _Repeats:
         except Exception:
             dbg = None
         try:
-            reduced = C._dce(self.jaxpr.replace(constvars=constvars, outvars=outvars, eqns=eqns, debug_info=dbg))
+            reduced = C._dce(
+                self.jaxpr.replace(constvars=constvars, outvars=outvars, eqns=eqns, debug_info=dbg)
+            )
         except Exception:  # pragma: no cover - a JAX whose Jaxpr will not take these: plan whole
             self.stand_in = {}
             return None
-        return (reduced, list(consts) + [c for _, c in self.inner_consts], None if out_nd is None else r_out_nd,
-                orig_of)
+        return (
+            reduced,
+            list(consts) + [c for _, c in self.inner_consts],
+            None if out_nd is None else r_out_nd,
+            orig_of,
+        )

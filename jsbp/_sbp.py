@@ -121,7 +121,9 @@ class Partial(Sbp):
 
     def __new__(cls, reduce="sum"):
         if reduce not in _PARTIAL_KINDS:
-            raise SbpError(f"partial reduce must be one of {sorted(_PARTIAL_KINDS)}, got {reduce!r}.")
+            raise SbpError(
+                f"partial reduce must be one of {sorted(_PARTIAL_KINDS)}, got {reduce!r}."
+            )
         return _interned(cls, reduce, "reduce")
 
     def __repr__(self):
@@ -172,8 +174,12 @@ def parse(value: SbpLike) -> Sbp:
             return Split(int(m.group(1)))
         raise SbpError(f"cannot read {s!r} as an SBP; valid forms are {_VALID}.")
     if isinstance(value, (bytes, bytearray)):
-        raise SbpError(f"cannot read {value!r} (bytes) as an SBP; give a str such as 'B' or 'S(0)', not bytes.")
-    raise SbpError(f"cannot read {value!r} ({type(value).__name__}) as an SBP; valid forms are {_VALID}.")
+        raise SbpError(
+            f"cannot read {value!r} (bytes) as an SBP; give a str such as 'B' or 'S(0)', not bytes."
+        )
+    raise SbpError(
+        f"cannot read {value!r} ({type(value).__name__}) as an SBP; valid forms are {_VALID}."
+    )
 
 
 def _split_top(s: str) -> list[str]:

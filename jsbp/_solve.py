@@ -79,8 +79,12 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
     return choice
 
 
-def _exact(prob: Problem, time_limit: float = EXACT_TIME_LIMIT_S, choice: list[int] | None = None,
-           free: set | None = None) -> list[int] | None:
+def _exact(
+    prob: Problem,
+    time_limit: float = EXACT_TIME_LIMIT_S,
+    choice: list[int] | None = None,
+    free: set | None = None,
+) -> list[int] | None:
     """The optimum by ``scipy.optimize.milp``; None if the problem is too large or HiGHS finds no
     assignment in time. With ``choice`` and ``free``: only the nodes in ``free`` choose, the others
     keep ``choice`` (the conversions among kept nodes alone are left out: they do not change)."""
@@ -125,8 +129,11 @@ def _exact(prob: Problem, time_limit: float = EXACT_TIME_LIMIT_S, choice: list[i
     for val in prob.values:
         if not val.uses and not val.wants:
             continue
-        if free is not None and not (val.producer is not None and val.producer[0] in free) \
-                and not any(u in free for u, _ in val.uses):
+        if (
+            free is not None
+            and not (val.producer is not None and val.producer[0] in free)
+            and not any(u in free for u, _ in val.uses)
+        ):
             continue
         targets: dict = {}
         for u, i in val.uses:
@@ -163,12 +170,17 @@ def _exact(prob: Problem, time_limit: float = EXACT_TIME_LIMIT_S, choice: list[i
     if len(cost) > EXACT_MAX_VARS:
         return None
     a = coo_matrix((vals, (rows, cols)), shape=(r, len(cost))).tocsr()
-    res = milp(np.array(cost), constraints=[LinearConstraint(a, rlo, rhi)], integrality=np.array(integ),
-               bounds=Bounds(lo, hi), options={"time_limit": time_limit, "disp": False})
+    res = milp(
+        np.array(cost),
+        constraints=[LinearConstraint(a, rlo, rhi)],
+        integrality=np.array(integ),
+        bounds=Bounds(lo, hi),
+        options={"time_limit": time_limit, "disp": False},
+    )
     if res.x is None:
         return None
     x = res.x[:nx]
-    return [int(np.argmax(x[base[u]:base[u + 1]])) for u in range(len(nodes))]
+    return [int(np.argmax(x[base[u] : base[u + 1]])) for u in range(len(nodes))]
 
 
 WINDOW = 120

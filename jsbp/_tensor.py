@@ -151,7 +151,9 @@ class GlobalTensor:
         return _hooks.render_html("tensor", self)
 
     # -- conversions ----------------------------------------------------------------------------
-    def to_global(self, placement: Placement | None = None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
+    def to_global(
+        self, placement: Placement | None = None, sbp=None, *, grad_sbp=None
+    ) -> GlobalTensor:
         """Box to ``placement`` / ``sbp`` (either may be None: keep it). Returns self if unchanged.
 
         ``grad_sbp`` sets the layout the gradient of the result is converted to in the backward
@@ -212,7 +214,9 @@ class GlobalTensor:
         if spans_all_processes(lay.placement.devices.flat):
             full = self.to_global(sbp=tuple(_sbp.broadcast for _ in lay.nd_sbp))
         else:  # some process owns no device here: bring the value to one device of every process
-            full = self.to_global(placement=one_device_per_process(lay.placement.type), sbp=_sbp.broadcast)
+            full = self.to_global(
+                placement=one_device_per_process(lay.placement.type), sbp=_sbp.broadcast
+            )
         shard = full._value.addressable_shards[0]
         return np.asarray(shard.data)[tuple(slice(0, n) for n in lay.shape)]
 
@@ -256,7 +260,9 @@ class GlobalTensor:
                 "jax.grad / jsbp.jit). Pickle concrete tensors, or save them with jsbp.checkpoint.save."
             )
         if is_key_dtype(self.dtype) or not self._value.is_fully_addressable:
-            what = "a PRNG key array" if is_key_dtype(self.dtype) else "spread over several processes"
+            what = (
+                "a PRNG key array" if is_key_dtype(self.dtype) else "spread over several processes"
+            )
             raise SbpError(
                 f"cannot pickle the global tensor of {lay.describe()}: it is {what}. Use "
                 "jsbp.checkpoint.save(path, tree) / jsbp.checkpoint.load(path, ...) instead."
@@ -353,8 +359,8 @@ def _dim_index_table(lay: Layout, d: int):
             sizes = balanced(size, h[a])
             off += offsets(sizes)[c]
             size = sizes[c]
-        idx[b * L: b * L + size] = off + np.arange(size)
-        valid[b * L: b * L + size] = True
+        idx[b * L : b * L + size] = off + np.arange(size)
+        valid[b * L : b * L + size] = True
     return idx, valid
 
 
@@ -587,7 +593,11 @@ def target_layout(lay: Layout, placement, sbp, op: str) -> Layout:
                 "its sbp cannot be kept, so pass sbp= with one entry per axis of the new placement."
             )
         return layout_of(plc, lay.nd_sbp, lay.shape)
-    nd = _to_global_nd(sbp, lay.shape, plc) if op == "to_global" else normalise_nd(sbp, lay.shape, plc, op=op)
+    nd = (
+        _to_global_nd(sbp, lay.shape, plc)
+        if op == "to_global"
+        else normalise_nd(sbp, lay.shape, plc, op=op)
+    )
     return layout_of(plc, nd, lay.shape)
 
 
@@ -600,7 +610,12 @@ def to_global(x, placement=None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
 
     if not isinstance(x, GlobalTensor) and current_tracer() is not None:
         return current_tracer().annotate(x, placement, sbp, grad_sbp)
-    if not isinstance(x, GlobalTensor) and placement is None and sbp is not None and hasattr(x, "shape"):
+    if (
+        not isinstance(x, GlobalTensor)
+        and placement is None
+        and sbp is not None
+        and hasattr(x, "shape")
+    ):
         # a layout annotation in code that also runs on one device (no jsbp.jit): nothing to do
         return x
     if not isinstance(x, GlobalTensor):
@@ -612,7 +627,9 @@ def to_global(x, placement=None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
     plc = dst.placement
     grad = None
     if grad_sbp is not None:
-        grad = layout_of(plc, normalise_nd(grad_sbp, lay.shape, plc, op="to_global(grad_sbp=)"), lay.shape)
+        grad = layout_of(
+            plc, normalise_nd(grad_sbp, lay.shape, plc, op="to_global(grad_sbp=)"), lay.shape
+        )
     if dst == lay and grad is None:
         return x
     from ._trace import current_tracer  # the compiler's hook: honour layouts inside jsbp.jit
@@ -620,7 +637,9 @@ def to_global(x, placement=None, sbp=None, *, grad_sbp=None) -> GlobalTensor:
     tr = current_tracer()
     if tr is not None:
         return tr.to_global(x, dst, grad)
-    if not isinstance(x._value, jax.core.Tracer):  # eager, nothing to differentiate: skip custom_vjp
+    if not isinstance(
+        x._value, jax.core.Tracer
+    ):  # eager, nothing to differentiate: skip custom_vjp
         if placement is None and grad_sbp is None:
             _remember_eager_boxer(x, sbp, dst)
         return GlobalTensor(_box_raw(x._value, lay, dst), dst)
@@ -652,7 +671,9 @@ def _layout_for(shape, placement, sbp, op, dtype=None) -> Layout:
         )
     if sbp is None:
         raise SbpError(f"{op}: pass sbp= (one SBP per placement axis, e.g. sbp.split(0) or 'B').")
-    lay = layout_of(placement, normalise_nd(sbp, shape, placement, op=op), tuple(int(s) for s in shape))
+    lay = layout_of(
+        placement, normalise_nd(sbp, shape, placement, op=op), tuple(int(s) for s in shape)
+    )
     if dtype is not None:
         _check_fits(lay, dtype, op)
     return lay
@@ -727,14 +748,17 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
         out = data.to_global(placement, sbp)
         return out if dtype is None else out.astype(dtype)
     if isinstance(data, jax.Array) and is_key_dtype(data.dtype) and dtype is None:
-        if placement is None and isinstance(getattr(data, "sharding", None), jax.sharding.NamedSharding):
+        if placement is None and isinstance(
+            getattr(data, "sharding", None), jax.sharding.NamedSharding
+        ):
             from ._interop import layout_of_array
 
             placement = layout_of_array(data)[0].placement
         return _key_tensor(data, placement, sbp, "tensor")
     if isinstance(data, jax.Array) and not isinstance(data, jax.core.Tracer):
         if isinstance(data.sharding, jax.sharding.NamedSharding) and (
-                placement is None or data.sharding.spec.unreduced):
+            placement is None or data.sharding.spec.unreduced
+        ):
             return _from_named(data, placement, sbp, dtype)
         arr = data
     elif isinstance(data, jax.core.Tracer):
@@ -743,7 +767,9 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
         try:
             np_arr = np.asarray(data)
         except OverflowError as e:
-            raise SbpError(f"tensor: cannot make a tensor from {type(data).__name__} {data!r}: {e}.") from None
+            raise SbpError(
+                f"tensor: cannot make a tensor from {type(data).__name__} {data!r}: {e}."
+            ) from None
         except ValueError:
             ragged = _ragged_at(data)
             if ragged is None:
@@ -754,9 +780,15 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
                 "(or a numpy / jax array), e.g. [[1, 2], [3, 4]]."
             ) from None
         if np_arr.dtype == object:
-            big = [v for v in np.ravel(np.asarray(data, dtype=object)) if isinstance(v, int) and abs(v) >= 2**63]
+            big = [
+                v
+                for v in np.ravel(np.asarray(data, dtype=object))
+                if isinstance(v, int) and abs(v) >= 2**63
+            ]
             why = f" ({big[0]} does not fit a 64-bit integer)" if big else ""
-            raise SbpError(f"tensor: cannot make a tensor from {type(data).__name__} {data!r}{why}.")
+            raise SbpError(
+                f"tensor: cannot make a tensor from {type(data).__name__} {data!r}{why}."
+            )
         target = _canonical_dtype(np_arr.dtype if dtype is None else dtype)
         _check_int_range(np_arr, target, "tensor")
         arr = np_arr.astype(target, copy=False)
@@ -768,7 +800,10 @@ def tensor(data, placement: Placement = None, sbp=None, *, dtype=None) -> Global
             return GlobalTensor(jax.device_put(arr, lay.sharding), lay)
         phys = lay.encode(arr)
         return GlobalTensor(
-            jax.make_array_from_callback(phys.shape, lay.sharding, lambda i: phys[i], dtype=phys.dtype), lay
+            jax.make_array_from_callback(
+                phys.shape, lay.sharding, lambda i: phys[i], dtype=phys.dtype
+            ),
+            lay,
         )
     return _from_logical(arr, lay)
 
@@ -813,6 +848,7 @@ def _from_named(arr: jax.Array, placement, sbp, dtype) -> GlobalTensor:
 @functools.lru_cache(maxsize=1024)
 def _filled(lay: Layout, dtype, fill, key):
     """``key``: the fill's ``static_key`` (``0.0 == -0.0`` and ``1 == True`` hash alike)."""
+
     def make():
         return _encode_raw(jnp.full(lay.shape, fill, dtype), lay)
 
@@ -823,15 +859,18 @@ def full(shape, value, placement=None, sbp=None, *, dtype=None) -> GlobalTensor:
     """A tensor of ``shape`` filled with ``value``."""
     shape = _shape_args((shape,) if isinstance(shape, (int, np.integer)) else tuple(shape), "full")
     lay = _layout_for(shape, placement, sbp, "full")
-    if not (isinstance(value, (int, float, complex, np.number, np.bool_)) or (
-        hasattr(value, "dtype") and np.ndim(value) == 0 and _numeric(value.dtype)
-    )):
+    if not (
+        isinstance(value, (int, float, complex, np.number, np.bool_))
+        or (hasattr(value, "dtype") and np.ndim(value) == 0 and _numeric(value.dtype))
+    ):
         raise SbpError(
             f"full: the fill value must be a number or a 0-d numeric array, got {value!r} "
             f"({type(value).__name__}); e.g. jsbp.full((2, 3), 1.5, placement=..., sbp=...)."
         )
     if dtype is None:  # like jnp.full: the value's own dtype, Python scalars as jnp's defaults
-        dtype = value.dtype if hasattr(value, "dtype") else jnp.result_type(value)  # (x64: float64, int64)
+        dtype = (
+            value.dtype if hasattr(value, "dtype") else jnp.result_type(value)
+        )  # (x64: float64, int64)
     dt = _canonical_dtype(dtype)
     _check_fits(lay, dt, "full")
     if math.prod(shape) == 0:
@@ -852,7 +891,11 @@ def ones(*shape, placement=None, sbp=None, dtype=None) -> GlobalTensor:
 
 def arange(*args, placement=None, sbp=None, dtype=None) -> GlobalTensor:
     """``jnp.arange(*args)`` as a global tensor."""
-    bad = [a for a in args if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, float, np.number))]
+    bad = [
+        a
+        for a in args
+        if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, float, np.number))
+    ]
     if not 1 <= len(args) <= 3 or bad:
         raise SbpError(
             f"arange: give 1 to 3 numbers (stop | start, stop | start, stop, step), got {args!r}; "
@@ -876,7 +919,9 @@ def _random(lay: Layout, kind: str, dtype):
 
 def _random_tensor(kind, shape, key, placement, sbp, dtype, op):
     shape = _shape_args(shape, op)
-    if not jnp.issubdtype(_canonical_dtype(dtype), jnp.floating if kind != "normal" else jnp.inexact):
+    if not jnp.issubdtype(
+        _canonical_dtype(dtype), jnp.floating if kind != "normal" else jnp.inexact
+    ):
         raise SbpError(
             f"{op}: dtype {np.dtype(dtype).name} is not a floating{' or complex' if kind == 'normal' else ''} "
             "dtype; give e.g. dtype=jnp.float32 (and .astype(...) the result if integers are wanted)."
@@ -923,7 +968,9 @@ def from_local(locals_: Sequence, placement: Placement = None, sbp=None) -> Glob
     devices = list(placement.devices.reshape(-1))
     coords = list(np.ndindex(*placement.hierarchy))
     local_idx = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
-    if isinstance(locals_, (str, bytes)) or not isinstance(locals_, (Sequence, np.ndarray, jax.Array)):
+    if isinstance(locals_, (str, bytes)) or not isinstance(
+        locals_, (Sequence, np.ndarray, jax.Array)
+    ):
         raise SbpError(
             f"from_local: locals must be a list of arrays, one per device of {placement} this process "
             f"owns; got {type(locals_).__name__} {locals_!r:.60}."
@@ -956,7 +1003,9 @@ def from_local(locals_: Sequence, placement: Placement = None, sbp=None) -> Glob
         dtypes = {common}
     ranks_ = {len(s) for s in shapes.values()}
     if len(ranks_) != 1:
-        raise SbpError(f"from_local: local arrays have different ranks {sorted(ranks_)} on {placement}.")
+        raise SbpError(
+            f"from_local: local arrays have different ranks {sorted(ranks_)} on {placement}."
+        )
     rank = ranks_.pop()
     nd = normalise_nd(nd_raw, (0,) * rank, placement, op="from_local")
     # infer the logical shape: along a split dim, sum the blocks of devices that differ only there
@@ -998,6 +1047,9 @@ def from_local(locals_: Sequence, placement: Placement = None, sbp=None) -> Glob
         singles.append(jax.device_put(a, devices[j]))
     # a process owning none of the devices has no singles to take the dtype from
     phys = jax.make_array_from_single_device_arrays(
-        lay.physical_shape, lay.sharding, singles, dtype=None if singles else _canonical_dtype(dtype)
+        lay.physical_shape,
+        lay.sharding,
+        singles,
+        dtype=None if singles else _canonical_dtype(dtype),
     )
     return GlobalTensor(phys, lay)

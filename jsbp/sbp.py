@@ -14,6 +14,16 @@ from ._sbp import partial_sum as partial_sum
 from ._sbp import split as split
 
 __all__ = [
-    "Sbp", "Split", "Broadcast", "Partial", "split", "broadcast", "partial_sum",
-    "partial_max", "partial_min", "parse", "parse_nd", "nd_str",
+    "Sbp",
+    "Split",
+    "Broadcast",
+    "Partial",
+    "split",
+    "broadcast",
+    "partial_sum",
+    "partial_max",
+    "partial_min",
+    "parse",
+    "parse_nd",
+    "nd_str",
 ]

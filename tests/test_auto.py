@@ -50,8 +50,10 @@ D, H, N = 64, 256, 32
 
 def _init():
     r = np.random.default_rng(0)
-    params = {"w1": (r.normal(size=(D, H)) * 0.1).astype(np.float32),
-              "w2": (r.normal(size=(H, D)) * 0.1).astype(np.float32)}
+    params = {
+        "w1": (r.normal(size=(D, H)) * 0.1).astype(np.float32),
+        "w2": (r.normal(size=(H, D)) * 0.1).astype(np.float32),
+    }
     zeros = jax.tree.map(np.zeros_like, params)
     return params, (zeros, jax.tree.map(np.zeros_like, params))
 
@@ -117,13 +119,18 @@ def reference():
 def test_core_budget_quarter_fits_and_matches_one_device(plc, reference):
     budget = _state_bytes() // 4
     p, opt = _init()
-    r = jsbp.auto_layouts(train_step, p, opt, _batch(0), placement=plc, memory_budget=budget,
-                          out_sbp=_same_out)
+    r = jsbp.auto_layouts(
+        train_step, p, opt, _batch(0), placement=plc, memory_budget=budget, out_sbp=_same_out
+    )
     assert r.estimate.peak_bytes <= budget
     f, losses, p_out, opt_out, x = _run_chosen(r)
     # measured: what each device holds of the state, and XLA's peak for the compiled step
-    held = [sum(math.prod(a.shape) * a.dtype.itemsize for a in locs)
-            for locs in zip(*[t.to_local() for t in jax.tree.leaves((p_out, opt_out), is_leaf=_is_global)])]
+    held = [
+        sum(math.prod(a.shape) * a.dtype.itemsize for a in locs)
+        for locs in zip(
+            *[t.to_local() for t in jax.tree.leaves((p_out, opt_out), is_leaf=_is_global)]
+        )
+    ]
     assert max(held) <= budget, (held, budget, str(r))
     # XLA's figure for the step with its state updated in place (the new state written over the
     # old, as the estimate assumes; jsbp.jit itself does not donate, so "peak" holds both)
@@ -131,8 +138,7 @@ def test_core_budget_quarter_fits_and_matches_one_device(plc, reference):
     m = r.measure(*_init(), _batch(0))
     assert m["inputs"] <= m["predicted"] <= budget and m["in_place"] <= budget, m
     # somewhere the state is split: all-B needs 4x the budget for the state alone
-    assert any(s.is_split for nd in jax.tree.leaves(r.layouts[:2], is_leaf=_is_nd)
-               for s in nd)
+    assert any(s.is_split for nd in jax.tree.leaves(r.layouts[:2], is_leaf=_is_nd) for s in nd)
     ref_losses, ref_p = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for k in ref_p:
@@ -152,9 +158,16 @@ def test_core_no_budget_is_cheapest_of_hand_layouts(plc, reference):
     }
     for name, (pl, xl) in hands.items():
         lay = (pl, (pl, pl), xl)
-        f = jsbp.jit(train_step, out_sbp=jax.tree.leaves(_same_out(lay), is_leaf=lambda t: t is None or _is_nd(t)))
-        args = [jsbp.tensor(a, placement=plc, sbp=nd) for a, nd in zip(
-            jax.tree.leaves((p, opt, _batch(0))), jax.tree.leaves(lay, is_leaf=_is_nd))]
+        f = jsbp.jit(
+            train_step,
+            out_sbp=jax.tree.leaves(_same_out(lay), is_leaf=lambda t: t is None or _is_nd(t)),
+        )
+        args = [
+            jsbp.tensor(a, placement=plc, sbp=nd)
+            for a, nd in zip(
+                jax.tree.leaves((p, opt, _batch(0))), jax.tree.leaves(lay, is_leaf=_is_nd)
+            )
+        ]
         args = jax.tree.unflatten(jax.tree.structure((p, opt, _batch(0))), args)
         hand = estimate(f.lower_program(*args).program)
         assert r.estimate.seconds <= hand.seconds * (1 + 1e-9), (name, str(r), str(hand))
@@ -177,8 +190,15 @@ def test_core_2d_placement_matches_one_device(reference):
 
 def test_core_fixed_is_kept(plc):
     p, opt = _init()
-    r = jsbp.auto_layouts(train_step, p, opt, _batch(0), placement=plc, out_sbp=_same_out,
-                          fixed={2: "S(0)", "[0]['w1']": "B"})
+    r = jsbp.auto_layouts(
+        train_step,
+        p,
+        opt,
+        _batch(0),
+        placement=plc,
+        out_sbp=_same_out,
+        fixed={2: "S(0)", "[0]['w1']": "B"},
+    )
     assert r.layouts[2] == (S0,)
     assert r.layouts[0]["w1"] == (B,)
     assert "[0]['w1']" in str(r)
@@ -187,12 +207,14 @@ def test_core_fixed_is_kept(plc):
 def _adam_update(correct):
     """Adam's update of parameters from gradients, with ``correct`` making the bias-corrected
     moments of the whole tree."""
+
     def update(p, opt, g):
         m = jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, opt[0], g)
         v = jax.tree.map(lambda a, b: 0.99 * a + 0.01 * b * b, opt[1], g)
         mh, vh = correct(m, v)
         p = jax.tree.map(lambda a, b, c: a - 1e-2 * b / (jnp.sqrt(c) + 1e-6), p, mh, vh)
         return p, (m, v)
+
     return update
 
 
@@ -214,7 +236,9 @@ def test_nested_call_outputs_counted_once(plc):
     peaks = []
     for correct in (_bias_correct, jax.jit(_bias_correct)):
         prog = jsbp.jit(_adam_update(correct)).lower_program(*args).program
-        assert any(st.eqn.primitive.name in ("jit", "pjit") for st in prog.steps) == (correct is not _bias_correct)
+        assert any(st.eqn.primitive.name in ("jit", "pjit") for st in prog.steps) == (
+            correct is not _bias_correct
+        )
         peaks.append(_intermediate_peak(prog, _updates(prog)))
     # the two bias-corrected moment trees, split 8 ways, are live at once
     assert peaks[0] == peaks[1] >= 2 * _state_bytes() // 3 // 8, peaks
@@ -222,13 +246,21 @@ def test_nested_call_outputs_counted_once(plc):
 
 def test_core_bad_inputs(plc):
     p, opt = _init()
-    with pytest.raises(jsbp.SbpError, match=r"memory_budget=1.00 KiB per device is less than the inputs alone need.*49.00 KiB.*Raise the budget"):
-        jsbp.auto_layouts(train_step, p, opt, _batch(0), placement=plc, memory_budget=1024,
-                          out_sbp=_same_out)
+    with pytest.raises(
+        jsbp.SbpError,
+        match=r"memory_budget=1.00 KiB per device is less than the inputs alone need.*49.00 KiB.*Raise the budget",
+    ):
+        jsbp.auto_layouts(
+            train_step, p, opt, _batch(0), placement=plc, memory_budget=1024, out_sbp=_same_out
+        )
     # above what the inputs need split 8 ways, below what any plan needs with its intermediates
-    with pytest.raises(jsbp.SbpError, match=r"no layout .* fits memory_budget=50.00 KiB .* smallest predicted peak found is"):
-        jsbp.auto_layouts(train_step, p, opt, _batch(0), placement=plc, memory_budget="50KiB",
-                          out_sbp=_same_out)
+    with pytest.raises(
+        jsbp.SbpError,
+        match=r"no layout .* fits memory_budget=50.00 KiB .* smallest predicted peak found is",
+    ):
+        jsbp.auto_layouts(
+            train_step, p, opt, _batch(0), placement=plc, memory_budget="50KiB", out_sbp=_same_out
+        )
     with pytest.raises(jsbp.SbpError, match=r"names no input leaf.*\[0\]\['w1'\]"):
         jsbp.auto_layouts(train_step, p, opt, _batch(0), placement=plc, fixed={"w1": "B"})
     with pytest.raises(jsbp.SbpError, match=r"names argument 5, but fn takes 3"):
@@ -244,8 +276,6 @@ def test_core_bad_inputs(plc):
 # ------------------------------------------------------------------------------------------------
 
 
-
-
 tg = load_example("train_gpt")
 # parameters and optimizer state dominate the memory (a wide MLP, 16 tokens a step), so a
 # quarter of them per device leaves room for the activations of a Megatron layout
@@ -255,7 +285,9 @@ BATCH = 2
 
 def _gpt_batches():
     r = np.random.default_rng(0)
-    return [r.integers(0, CFG.vocab, size=(BATCH, CFG.seq + 1)).astype(np.int32) for _ in range(STEPS)]
+    return [
+        r.integers(0, CFG.vocab, size=(BATCH, CFG.seq + 1)).astype(np.int32) for _ in range(STEPS)
+    ]
 
 
 def _init_gpt():
@@ -288,21 +320,31 @@ def gpt_reference():
 
 def _auto(budget=None):
     model, opt = _init_gpt()
-    return jflax.Strategy.auto(jsbp.placement("cpu", np.arange(8)), budget, model=model,
-                               optimizer=opt, loss_fn=tg.loss_fn, batch=_gpt_batches()[0])
+    return jflax.Strategy.auto(
+        jsbp.placement("cpu", np.arange(8)),
+        budget,
+        model=model,
+        optimizer=opt,
+        loss_fn=tg.loss_fn,
+        batch=_gpt_batches()[0],
+    )
 
 
 def _check_params(model, ref_params, tol=1e-5):
     got = jflax.gather(model)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(got, nnx.Param)),
-                                 nnx.to_flat_state(ref_params)):
+    for (path, a), (_, b) in zip(
+        nnx.to_flat_state(nnx.state(got, nnx.Param)), nnx.to_flat_state(ref_params)
+    ):
         assert _rel(a.get_value(), b.get_value()) < tol, path
 
 
 def test_flax_auto_budget_quarter(gpt_reference):
     model, opt = _init_gpt()
-    state_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state((model, opt)))
-                      if hasattr(x, "nbytes") and x.ndim)
+    state_bytes = sum(
+        x.nbytes
+        for x in jax.tree.leaves(nnx.state((model, opt)))
+        if hasattr(x, "nbytes") and x.ndim
+    )
     budget = state_bytes // 4
     s = _auto(budget)
     rep = s.report
@@ -345,14 +387,22 @@ def test_flax_auto_no_budget_cheapest_and_matches(gpt_reference):
 
 
 def test_flax_auto_bad_inputs():
-    with pytest.raises(jsbp.SbpError, match=r"memory_budget=1.00 KiB per device is less than the model and optimizer state.*Raise memory_budget"):
+    with pytest.raises(
+        jsbp.SbpError,
+        match=r"memory_budget=1.00 KiB per device is less than the model and optimizer state.*Raise memory_budget",
+    ):
         _auto("1KiB")
     with pytest.raises(jsbp.SbpError, match="memory_budget=-5 is not a positive number"):
         _auto(-5)
     model, opt = jflax.shard(_init_gpt(), tg.make_strategy({"dp": 8}))
     with pytest.raises(jsbp.SbpError, match="already sharded"):
-        jflax.Strategy.auto(jsbp.placement("cpu", np.arange(8)), model=model, optimizer=opt,
-                            loss_fn=tg.loss_fn, batch=_gpt_batches()[0])
+        jflax.Strategy.auto(
+            jsbp.placement("cpu", np.arange(8)),
+            model=model,
+            optimizer=opt,
+            loss_fn=tg.loss_fn,
+            batch=_gpt_batches()[0],
+        )
 
 
 class _PlainMLP(nnx.Module):
@@ -378,13 +428,23 @@ def _mlp_objects():
 
 def test_flax_auto_model_without_names_and_accum():
     r = np.random.default_rng(0)
-    batches = [(r.normal(size=(16, 32)).astype(np.float32), r.normal(size=(16, 32)).astype(np.float32))
-               for _ in range(STEPS)]
+    batches = [
+        (r.normal(size=(16, 32)).astype(np.float32), r.normal(size=(16, 32)).astype(np.float32))
+        for _ in range(STEPS)
+    ]
     model, opt = _mlp_objects()
-    s = jflax.Strategy.auto(jsbp.placement("cpu", np.arange(8)), model=model, optimizer=opt,
-                            loss_fn=_mlp_loss, batch=batches[0], accum=2)
+    s = jflax.Strategy.auto(
+        jsbp.placement("cpu", np.arange(8)),
+        model=model,
+        optimizer=opt,
+        loss_fn=_mlp_loss,
+        batch=batches[0],
+        accum=2,
+    )
     names = [c.name for c in s.report.candidates]
-    assert any("fc1/kernel:S(1)" in n for n in names) and any("fc2/kernel:S(0)" in n for n in names), names
+    assert any("fc1/kernel:S(1)" in n for n in names) and any(
+        "fc2/kernel:S(0)" in n for n in names
+    ), names
 
     def run(strategy):
         model, opt = _mlp_objects()
@@ -398,4 +458,6 @@ def test_flax_auto_model_without_names_and_accum():
     ref, want = run(None)
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     for lin in ("fc1", "fc2"):
-        assert _rel(getattr(got, lin).kernel.get_value(), getattr(want, lin).kernel.get_value()) < 1e-5
+        assert (
+            _rel(getattr(got, lin).kernel.get_value(), getattr(want, lin).kernel.get_value()) < 1e-5
+        )

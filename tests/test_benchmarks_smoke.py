@@ -92,13 +92,33 @@ def test_auto_benchmark_one_shape_prints_its_table():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
     res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "auto.py"), "--only", "gpt", "--steps", "2",
-         "--warmup", "1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "auto.py"),
+            "--only",
+            "gpt",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     out = res.stdout
     assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
-    for row in ("| dp8 |", "| tp8 |", "| dp2_tp4 |", "| zero1 |", "| zero2 |", "| zero3 |", "| **auto**"):
+    for row in (
+        "| dp8 |",
+        "| tp8 |",
+        "| dp2_tp4 |",
+        "| zero1 |",
+        "| zero2 |",
+        "| zero3 |",
+        "| **auto**",
+    ):
         assert row in out, row
 
 
@@ -109,13 +129,28 @@ def test_device_check_runs_and_compares_with_jax_jit():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
     res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--sizes", "small", "--steps", "2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "device_check.py"),
+            "--sizes",
+            "small",
+            "--steps",
+            "2",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     out = res.stdout
-    assert res.returncode == 0, f"device check failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, (
+        f"device check failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
+    )
     for label in ("jax.jit", "jsbp search", "jsbp global"):
-        assert any(line.startswith(f"small: {label} ") and "ms/step" in line for line in out.splitlines()), label
+        assert any(
+            line.startswith(f"small: {label} ") and "ms/step" in line for line in out.splitlines()
+        ), label
     assert "all variants match jax.jit" in out
 
 
@@ -126,10 +161,21 @@ def test_planner_starts_benchmark_one_program_prints_its_rows():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "planner_starts.py"), "--only", "tests hybrid_2x4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "planner_starts.py"),
+            "--only",
+            "tests hybrid_2x4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{res.stdout}\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, (
+        f"benchmark failed ({res.returncode}):\n{res.stdout}\n{res.stderr[-4000:]}"
+    )
     cost = {}
     for line in res.stdout.splitlines():
         if line.startswith("| tests hybrid_2x4 |"):
@@ -147,14 +193,28 @@ def test_planner_ablation_benchmark_switches_a_heuristic_off():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "planner_ablation.py"), "--only", "tests tp",
-         "--heuristics", "tie-breakers"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "planner_ablation.py"),
+            "--only",
+            "tests tp",
+            "--heuristics",
+            "tie-breakers",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{res.stdout}\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, (
+        f"benchmark failed ({res.returncode}):\n{res.stdout}\n{res.stderr[-4000:]}"
+    )
     rows = {}
     for line in res.stdout.splitlines():
-        if line.startswith("| tie-breakers | search |") or line.startswith("| tie-breakers | global |"):
+        if line.startswith("| tie-breakers | search |") or line.startswith(
+            "| tie-breakers | global |"
+        ):
             cells = [c.strip() for c in line.strip("|").split("|")]
             rows[cells[1]] = [tuple(int(x) for x in c.split(" / ")) for c in cells[2:]]
     assert set(rows) == {"search", "global"}, res.stdout

@@ -380,7 +380,9 @@ def test_grad_through_boxing(hname, src, dst):
     assert g.placement == x.placement and g.sbp == x.sbp and g.shape == x.shape
     np.testing.assert_allclose(g.numpy(), _GREF, rtol=1e-5, atol=1e-5)
     # the value of the loss itself is the single-device value
-    np.testing.assert_allclose(float(jax.jit(loss)(x)), float(jnp.sum(jnp.sin(_GV) * _GW)), rtol=1e-5)
+    np.testing.assert_allclose(
+        float(jax.jit(loss)(x)), float(jnp.sum(jnp.sin(_GV) * _GW)), rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize(

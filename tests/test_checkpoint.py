@@ -491,8 +491,12 @@ def _run_until_paused(tmp_path, point, args) -> None:
     sentinel = tmp_path / f"paused-{point}"
     env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(WORKERS, "ckpt_kill_worker.py"), *map(str, args),
-         f"{point}:{sentinel}"],  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(WORKERS, "ckpt_kill_worker.py"),
+            *map(str, args),
+            f"{point}:{sentinel}",
+        ],  # fmt: skip
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -795,8 +799,14 @@ def _save_in_process(tmp_path, seed, path, pause=None):
     ``<point>:<sentinel>[:<seconds>]`` (see ``ckpt_kill_worker.pause_at``)."""
     env = dict(os.environ, PYTHONPATH=REPO)
     return subprocess.Popen(
-        [sys.executable, os.path.join(WORKERS, "ckpt_kill_worker.py"), "overwrite", str(path),
-         str(seed), *([pause] if pause else [])],  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(WORKERS, "ckpt_kill_worker.py"),
+            "overwrite",
+            str(path),
+            str(seed),
+            *([pause] if pause else []),
+        ],  # fmt: skip
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -873,9 +883,7 @@ def _whole(out, kw, target) -> int:
     return seed
 
 
-def test_load_while_another_process_overwrites_returns_one_whole_checkpoint(
-    tmp_path, monkeypatch
-):
+def test_load_while_another_process_overwrites_returns_one_whole_checkpoint(tmp_path, monkeypatch):
     """Another process replaces the checkpoint after this load read its commit record and
     before it read the data: the load must return the new checkpoint whole, not the old step
     with the new tensors."""
@@ -1020,9 +1028,7 @@ def test_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
     ck.save(path, kw.build(jsbp, 1))
     needed = _needed_bytes(kw, 2)
     real = _save.shutil.disk_usage
-    monkeypatch.setattr(
-        _save.shutil, "disk_usage", lambda p: real(p)._replace(free=needed - 1)
-    )
+    monkeypatch.setattr(_save.shutil, "disk_usage", lambda p: real(p)._replace(free=needed - 1))
     monkeypatch.setattr(_backend, "write", lambda *a, **k: pytest.fail("wrote on a full disk"))
     with pytest.raises(
         CheckpointError,
@@ -1052,7 +1058,9 @@ def test_checkpoint_saved_under_x64_is_not_cast_silently(tmp_path):
         ):
             ck.load(path, target)
     # a float32 target is a mismatch that says why
-    with pytest.raises(CheckpointError, match=r"expects shape \(10,\) float32.*saved under jax_enable_x64"):
+    with pytest.raises(
+        CheckpointError, match=r"expects shape \(10,\) float32.*saved under jax_enable_x64"
+    ):
         ck.load(path, {"x": TensorSpec((10,), np.float32, p, "S(0)"), "j": np.zeros(6, np.int64)})
     # as numpy: exact
     out = ck.load(path, {"x": np.zeros(10, np.float64), "j": np.zeros(6, np.int64)})
@@ -1067,7 +1075,9 @@ def test_checkpoint_saved_under_x64_is_not_cast_silently(tmp_path):
 def test_load_of_a_regular_file_says_it_is_a_file(tmp_path):
     f = tmp_path / "model.ckpt"
     f.write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match=r"no checkpoint at .*model.ckpt: it is a file, not a directory"):
+    with pytest.raises(
+        CheckpointError, match=r"no checkpoint at .*model.ckpt: it is a file, not a directory"
+    ):
         ck.load(f, None)
     with pytest.raises(CheckpointError, match=r"it is a file, not a directory"):
         ck.info(f)

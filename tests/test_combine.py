@@ -22,7 +22,9 @@ RNG = np.random.default_rng(0)
 def _addends(shape, plc):
     """A P global tensor with a different random addend on every device, and its value."""
     locs = [RNG.standard_normal(shape).astype(np.float32) for _ in range(plc.size)]
-    return jsbp.from_local(locs, placement=plc, sbp=("P",) * plc.ndim), sum(np.asarray(x, np.float64) for x in locs)
+    return jsbp.from_local(locs, placement=plc, sbp=("P",) * plc.ndim), sum(
+        np.asarray(x, np.float64) for x in locs
+    )
 
 
 def _check_order(prog):
@@ -47,7 +49,10 @@ def _check_order(prog):
                 assert made[v] < here, (st.eqn, "reads a value made later")
         for bx in st.boxings:
             if bx.group is not None:
-                assert at[("group", bx.group)] < here, (st.eqn, "reads its group's result before it runs")
+                assert at[("group", bx.group)] < here, (
+                    st.eqn,
+                    "reads its group's result before it runs",
+                )
                 members.setdefault(bx.group, []).append(st.eqn.invars[bx.operand])
     for bx in prog.out_boxings:
         if bx.group is not None:

@@ -84,15 +84,27 @@ def test_reduce_sum_over_split_dim_is_partial():
 
 def test_uneven_mean_is_exact():
     # DTensor's bug: mean of arange(12).reshape(3, 4) split S(0) over 2 devices must be 5.5
-    a = jsbp.tensor(np.arange(12, dtype=np.float32).reshape(3, 4), jsbp.placement("cpu", [0, 1]), "S(0)")
+    a = jsbp.tensor(
+        np.arange(12, dtype=np.float32).reshape(3, 4), jsbp.placement("cpu", [0, 1]), "S(0)"
+    )
     assert float(jsbp.jit(jnp.mean)(a).numpy()) == 5.5
     assert float(a.mean().numpy()) == 5.5
 
 
-@pytest.mark.parametrize("fn", [jnp.sum, jnp.max, jnp.min, jnp.mean, lambda x: jnp.linalg.norm(x),
-                                lambda x: jnp.argmax(x, axis=0), lambda x: jax.nn.softmax(x, axis=0),
-                                lambda x: jnp.var(x, axis=0)],
-                         ids=["sum", "max", "min", "mean", "norm", "argmax", "softmax", "var"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        jnp.sum,
+        jnp.max,
+        jnp.min,
+        jnp.mean,
+        lambda x: jnp.linalg.norm(x),
+        lambda x: jnp.argmax(x, axis=0),
+        lambda x: jax.nn.softmax(x, axis=0),
+        lambda x: jnp.var(x, axis=0),
+    ],
+    ids=["sum", "max", "min", "mean", "norm", "argmax", "softmax", "var"],
+)
 @pytest.mark.parametrize("nd,plc", [("S(0)", P4), (("S(0)", "S(0)"), Q22), (("S(0)", "S(1)"), R24)])
 def test_uneven_reductions_never_see_padding(fn, nd, plc):
     xv = rand(7, 5) - 3.0  # negative values: a zero from padding would win a max
@@ -174,7 +186,13 @@ def test_tp_mlp_forward_needs_one_reduction():
     x = gt(rand(8, 6), plc, "B")
     y = jsbp.jit(fwd, out_sbp="B")(gparams, x)
     c = jsbp.debug.count_collectives(jsbp.jit(fwd, out_sbp="B"), gparams, x)
-    assert c == {"all-gather": 0, "all-reduce": 1, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 0}
+    assert c == {
+        "all-gather": 0,
+        "all-reduce": 1,
+        "reduce-scatter": 0,
+        "all-to-all": 0,
+        "collective-permute": 0,
+    }
     np.testing.assert_allclose(y.numpy(), np.asarray(fwd(params, x.numpy())), rtol=1e-5, atol=1e-5)
 
 
@@ -255,7 +273,9 @@ def _transformer_step_case(strategy):
         upd, o = tx.update(g, o, p)
         return loss, optax.apply_updates(p, upd), o
 
-    paths = {kp: jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    paths = {
+        kp: jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
     plc, dlay, lay = {
         "dp": (P4, "S(0)", lambda path, v: "B"),
         "tp": (P4, "B", lambda path, v: _tp_layout(path, v.ndim)),
@@ -280,15 +300,39 @@ def test_nnx_transformer_train_step_matches_single_device(strategy):
 
 # -- control flow ---------------------------------------------------------------------------------------
 CONTROL = {
-    "scan": (lambda x, w: jax.lax.scan(lambda c, xi: (jnp.tanh(c @ w + xi), c.sum()), jnp.zeros(6), x), ("B", "S(1)")),
-    "scan_xs_split": (lambda x, w: jax.lax.scan(lambda c, xi: (c + xi @ w, None), jnp.zeros((5, 6)), x.reshape(2, 5, 6))[0], ("S(1)", "B")),
+    "scan": (
+        lambda x, w: jax.lax.scan(lambda c, xi: (jnp.tanh(c @ w + xi), c.sum()), jnp.zeros(6), x),
+        ("B", "S(1)"),
+    ),
+    "scan_xs_split": (
+        lambda x, w: jax.lax.scan(
+            lambda c, xi: (c + xi @ w, None), jnp.zeros((5, 6)), x.reshape(2, 5, 6)
+        )[0],
+        ("S(1)", "B"),
+    ),
     "fori": (lambda x, w: jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w), x), ("S(0)", "B")),
-    "while": (lambda x, w: jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 0.5 + x, c[1] + 1), (x, 0))[0], ("S(0)", "B")),
+    "while": (
+        lambda x, w: jax.lax.while_loop(
+            lambda c: c[1] < 3, lambda c: (c[0] * 0.5 + x, c[1] + 1), (x, 0)
+        )[0],
+        ("S(0)", "B"),
+    ),
     "cond": (lambda x, w: jax.lax.cond(x.sum() > 0, lambda: x @ w, lambda: x * 2.0), ("S(0)", "B")),
-    "switch": (lambda x, w: jax.lax.switch(jnp.argmax(x.sum(1)) % 3, [lambda: x, lambda: x @ w, lambda: -x]), ("S(0)", "B")),
-    "remat": (lambda x, w: jax.grad(lambda w: jax.checkpoint(lambda w: jnp.sum(jnp.sin(x @ w)))(w))(w), ("S(0)", "B")),
+    "switch": (
+        lambda x, w: jax.lax.switch(
+            jnp.argmax(x.sum(1)) % 3, [lambda: x, lambda: x @ w, lambda: -x]
+        ),
+        ("S(0)", "B"),
+    ),
+    "remat": (
+        lambda x, w: jax.grad(lambda w: jax.checkpoint(lambda w: jnp.sum(jnp.sin(x @ w)))(w))(w),
+        ("S(0)", "B"),
+    ),
     "custom_jvp": (lambda x, w: jax.nn.relu(x @ w) + jax.nn.gelu(x), ("S(0)", "B")),
-    "custom_vjp": (lambda x, w: jax.grad(lambda x: jnp.sum(jax.nn.logsumexp(x, axis=1)))(x), ("S(0)", "B")),
+    "custom_vjp": (
+        lambda x, w: jax.grad(lambda x: jnp.sum(jax.nn.logsumexp(x, axis=1)))(x),
+        ("S(0)", "B"),
+    ),
     "nested_jit": (lambda x, w: jax.jit(lambda a: a @ w)(x) + 1.0, ("S(0)", "B")),
 }
 
@@ -363,12 +407,18 @@ def test_out_sbp_follows_nested_outputs():
     function of the output structure works too."""
     xv = rand(4, 6)
     x = gt(xv, Q22, ("S(0)", "B"))
-    (a, b), c = jsbp.jit(lambda x: ((x, x * 2), x + 1),
-                         out_sbp=((("B", "B"), ("S(1)", "S(0)")), ("S(0)", "S(1)")))(x)
-    assert (a.sbp, b.sbp, c.sbp) == ((sbp.broadcast,) * 2, (sbp.split(1), sbp.split(0)),
-                                     (sbp.split(0), sbp.split(1)))
+    (a, b), c = jsbp.jit(
+        lambda x: ((x, x * 2), x + 1), out_sbp=((("B", "B"), ("S(1)", "S(0)")), ("S(0)", "S(1)"))
+    )(x)
+    assert (a.sbp, b.sbp, c.sbp) == (
+        (sbp.broadcast,) * 2,
+        (sbp.split(1), sbp.split(0)),
+        (sbp.split(0), sbp.split(1)),
+    )
     np.testing.assert_allclose(b.numpy(), xv * 2)
-    a, b = jsbp.jit(lambda x: (x, x * 2), out_sbp=lambda tree: [None] * (tree.num_leaves - 1) + [("B", "B")])(x)
+    a, b = jsbp.jit(
+        lambda x: (x, x * 2), out_sbp=lambda tree: [None] * (tree.num_leaves - 1) + [("B", "B")]
+    )(x)
     assert a.sbp == (sbp.split(0), sbp.broadcast) and b.sbp == (sbp.broadcast, sbp.broadcast)
 
 
@@ -438,7 +488,9 @@ def test_repeat_calls_tell_signatures_apart():
         # bf16: XLA may keep x * n in f32 inside the fused program; eager JAX rounds it first
         tol = dict(rtol=1e-2, atol=1e-2) if x.dtype == jnp.bfloat16 else dict(rtol=1e-6, atol=1e-6)
         assert (y.shape, y.dtype, y.sbp) == (ref.shape, ref.dtype, x.sbp)
-        np.testing.assert_allclose(np.asarray(y.numpy(), np.float32), np.asarray(ref, np.float32), **tol)
+        np.testing.assert_allclose(
+            np.asarray(y.numpy(), np.float32), np.asarray(ref, np.float32), **tol
+        )
     assert len(calls) == len(cases) - 2
 
 
@@ -452,7 +504,9 @@ def test_calls_with_global_tensors_only_dispatch_through_jax_jit(monkeypatch):
 
     lookups = []
     orig = JitFunction._lookup
-    monkeypatch.setattr(JitFunction, "_lookup", lambda self, args: lookups.append(1) or orig(self, args))
+    monkeypatch.setattr(
+        JitFunction, "_lookup", lambda self, args: lookups.append(1) or orig(self, args)
+    )
 
     def f(x, w):
         return jnp.tanh(x @ w)
@@ -520,7 +574,9 @@ def test_eager_operators_and_methods():
 def test_two_placements_in_one_op_is_an_error_naming_both():
     x = gt(rand(8, 4), P4, "S(0)")
     z = gt(rand(8, 4), jsbp.placement("cpu", [4, 5, 6, 7]), "S(0)")
-    with pytest.raises(jsbp.PlacementError, match=r"two placements.*\[0, 1, 2, 3\].*\[4, 5, 6, 7\]"):
+    with pytest.raises(
+        jsbp.PlacementError, match=r"two placements.*\[0, 1, 2, 3\].*\[4, 5, 6, 7\]"
+    ):
         _ = x + z
 
 
@@ -543,13 +599,17 @@ def test_missing_rule_runs_replicated_with_a_warning():
     xv = rand(7, 4)
     x = gt(xv, P4, "S(0)")
     f = lambda x: weird.bind(x * 3.0) + 1.0
-    with pytest.warns(jsbp.NoRuleWarning, match=r"jsbp_test_weird.*\(7, 4\).*replicated.*strict=True"):
+    with pytest.warns(
+        jsbp.NoRuleWarning, match=r"jsbp_test_weird.*\(7, 4\).*replicated.*strict=True"
+    ):
         y = jsbp.jit(f)(x)
     np.testing.assert_allclose(y.numpy(), np.flip(xv * 3.0, 0) * 2 + 1.0, rtol=1e-6)
     plan = jsbp.explain(f, x)
     (row,) = [r for r in plan.rows if r.primitive == "jsbp_test_weird"]
     assert row.note == "no rule: replicated" and "[no rule: replicated]" in str(plan)
-    assert row.signature == "(B) -> (B)" and [b.collectives for b in row.boxings] == [("all-gather",)]
+    assert row.signature == "(B) -> (B)" and [b.collectives for b in row.boxings] == [
+        ("all-gather",)
+    ]
     assert "no rule: replicated" in plan._repr_html_()
     assert plan.collectives() == jsbp.debug.count_collectives(jsbp.jit(f), x)
 
@@ -710,8 +770,11 @@ def test_a_conversion_two_consumers_need_is_chosen_by_the_first():
 
 
 _COMBINE_CASES = [  # (shape, split dim, dtype): two dtypes -> two combined collectives
-    ((8, 16), 0, np.float32), ((16, 8, 4), 1, np.float32), ((24,), 0, np.float32),
-    ((8, 8), 1, jnp.bfloat16), ((8, 4), 0, jnp.bfloat16),
+    ((8, 16), 0, np.float32),
+    ((16, 8, 4), 1, np.float32),
+    ((24,), 0, np.float32),
+    ((8, 8), 1, jnp.bfloat16),
+    ((8, 4), 0, jnp.bfloat16),
     ((7, 4), 0, np.float32),  # uneven: runs on its own
 ]
 
@@ -719,14 +782,18 @@ _COMBINE_CASES = [  # (shape, split dim, dtype): two dtypes -> two combined coll
 def _addends(shape, plc, dtype):
     """A P global tensor with a different random addend on every device, and its value."""
     locs = [RNG.standard_normal(shape).astype(dtype) for _ in range(plc.size)]
-    return jsbp.from_local(locs, placement=plc, sbp=("P",) * plc.ndim), sum(np.asarray(x, np.float64) for x in locs)
+    return jsbp.from_local(locs, placement=plc, sbp=("P",) * plc.ndim), sum(
+        np.asarray(x, np.float64) for x in locs
+    )
 
 
 def _assert_results(outs, refs, scale=1.0):
     """Each combined-collective result against its NumPy value (bf16 to its precision)."""
     for o, ref, (_, _, dt) in zip(outs, refs, _COMBINE_CASES):
         tol = 2e-2 * scale if dt == jnp.bfloat16 else 1e-5
-        np.testing.assert_allclose(np.asarray(o.numpy(), np.float64), scale * ref, rtol=tol, atol=tol)
+        np.testing.assert_allclose(
+            np.asarray(o.numpy(), np.float64), scale * ref, rtol=tol, atol=tol
+        )
 
 
 @pytest.mark.parametrize("plc", [P4, R24], ids=["4", "2x4"])
@@ -734,11 +801,14 @@ def test_small_reduce_scatters_and_all_gathers_run_combined(plc):
     """Many small reduce-scatters (ZeRO gradients) run as one collective per dtype, and so do the
     all-gathers back; results equal the separate collectives' and the compiled program has
     exactly the collectives the plan counts."""
+
     def nd(d):
         return (f"S({d})",) * plc.ndim
 
     xs, refs = zip(*[_addends(shape, plc, dt) for shape, _, dt in _COMBINE_CASES])
-    scatter = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=nd(d)) for x, (_, d, _) in zip(a, _COMBINE_CASES)])
+    scatter = jsbp.jit(
+        lambda *a: [jsbp.to_global(x, sbp=nd(d)) for x, (_, d, _) in zip(a, _COMBINE_CASES)]
+    )
     gather = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=("B",) * plc.ndim) for x in a])
     for f, args in [(scatter, xs), (gather, scatter(*xs))]:
         _assert_results(f(*args), refs)
@@ -757,7 +827,9 @@ def test_small_all_reduces_run_combined(plc):
     reduce = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=("B",) * plc.ndim) for x in a])
     _assert_results(reduce(*xs), refs)
     plan, counts = jsbp.explain(reduce, *xs), jsbp.debug.count_collectives(reduce, *xs)
-    assert [b.collectives for b in plan.boxings()] == [("all-reduce",)] * len(_COMBINE_CASES), str(plan)
+    assert [b.collectives for b in plan.boxings()] == [("all-reduce",)] * len(_COMBINE_CASES), str(
+        plan
+    )
     assert all(b.combined is not None for b in plan.boxings())
     assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 2}
 
@@ -767,8 +839,12 @@ def test_output_conversions_run_combined(plc):
     """The outputs' conversions to ``out_sbp`` run after everything else: the all-gathers of many
     split results (ZeRO-1/2's updated parameters) are one collective per dtype."""
     xs, refs = zip(*[_addends(shape, plc, dt) for shape, _, dt in _COMBINE_CASES])
-    scattered = jsbp.jit(lambda *a: [jsbp.to_global(x, sbp=(f"S({d})",) * plc.ndim)
-                                     for x, (_, d, _) in zip(a, _COMBINE_CASES)])(*xs)
+    scattered = jsbp.jit(
+        lambda *a: [
+            jsbp.to_global(x, sbp=(f"S({d})",) * plc.ndim)
+            for x, (_, d, _) in zip(a, _COMBINE_CASES)
+        ]
+    )(*xs)
     f = jsbp.jit(lambda *a: [x * 2 for x in a], out_sbp=("B",) * plc.ndim)
     _assert_results(f(*scattered), refs, scale=2.0)
     plan, counts = jsbp.explain(f, *scattered), jsbp.debug.count_collectives(f, *scattered)
@@ -807,7 +883,9 @@ def test_a_conversion_made_from_a_combined_result_runs_after_it():
     plan = jsbp.explain(f, a, b)
     assert [b.combined for b in plan.boxings()] == [None, 0, 0], str(plan)
     counts = jsbp.debug.count_collectives(jsbp.jit(f), a, b)
-    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "reduce-scatter": 2}, str(plan)
+    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "reduce-scatter": 2}, str(
+        plan
+    )
 
 
 def test_reading_one_combined_collective_leaves_the_others_open():
@@ -877,11 +955,15 @@ def test_output_conversions_join_the_open_group_of_their_kind(waits):
     of 1). Here 1 all-reduce for 4 conversions (before: 2, the outputs' apart). One whose value
     waits on that group (``waits``: ``g3 * b1``) closes it and starts the next, which a later
     output joins: 2 all-reduces. Values as NumPy's."""
-    (g1, r1), (g2, r2), (g3, r3), (g4, r4) = (_addends(s, P4, np.float32) for s in [(8, 4), (4,), (8, 4), (3,)])
+    (g1, r1), (g2, r2), (g3, r3), (g4, r4) = (
+        _addends(s, P4, np.float32) for s in [(8, 4), (4,), (8, 4), (3,)]
+    )
 
     def f(g1, g2, g3, g4):
         b1 = jsbp.to_global(g1, sbp="B")  # group 0
-        keep = functools.partial(jsbp.to_global, sbp="P")  # partial sums until ``out_sbp`` reduces them
+        keep = functools.partial(
+            jsbp.to_global, sbp="P"
+        )  # partial sums until ``out_sbp`` reduces them
         return jnp.tanh(b1), keep(g2 * 2.0), keep(g3 * (b1 if waits else 3.0)), g4
 
     args = (g1, g2, g3, g4)
@@ -890,9 +972,13 @@ def test_output_conversions_join_the_open_group_of_their_kind(waits):
     for o, ref in zip(got, [np.tanh(r1), r2 * 2, r3 * (r1 if waits else 3.0), r4]):
         np.testing.assert_allclose(o.numpy(), ref, rtol=1e-5, atol=1e-5)
     plan = jsbp.explain(jf, *args)
-    assert [b.combined for b in plan.boxings() if b.collectives] == ([0, 0, 1, 1] if waits else [0] * 4), str(plan)
+    assert [b.combined for b in plan.boxings() if b.collectives] == (
+        [0, 0, 1, 1] if waits else [0] * 4
+    ), str(plan)
     counts = jsbp.debug.count_collectives(jf, *args)
-    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 1 + waits}, str(plan)
+    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 1 + waits}, (
+        str(plan)
+    )
 
 
 def test_a_repeated_output_reuses_its_combined_conversion():
@@ -912,7 +998,11 @@ def test_a_repeated_output_reuses_its_combined_conversion():
     for o, ref in zip(got, [r1 * 2, r2 + 1, r1 * 2]):
         np.testing.assert_allclose(o.numpy(), ref, rtol=1e-5, atol=1e-5)
     plan = jsbp.explain(jf, g1, g2)
-    assert [(b.combined, b.reused) for b in plan.output_boxings] == [(0, False), (0, False), (None, True)], str(plan)
+    assert [(b.combined, b.reused) for b in plan.output_boxings] == [
+        (0, False),
+        (0, False),
+        (None, True),
+    ], str(plan)
     counts = jsbp.debug.count_collectives(jf, g1, g2)
     assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 1}, str(plan)
 
@@ -920,7 +1010,12 @@ def test_a_repeated_output_reuses_its_combined_conversion():
 _PENDING_CASES = {  # placement: (x's sbp, collectives, which boxings are combined)
     "4": (P4, "S(0)", {"reduce-scatter": 2, "all-reduce": 1}, [True] * 4 + [False] * 3),
     # (on 8 devices g2's 4 elements split unevenly: not combined)
-    "2x4": (R24, ("S(0)", "B"), {"reduce-scatter": 3, "all-reduce": 1}, [False, True, False] + [True] * 3 + [False] * 2),
+    "2x4": (
+        R24,
+        ("S(0)", "B"),
+        {"reduce-scatter": 3, "all-reduce": 1},
+        [False, True, False] + [True] * 3 + [False] * 2,
+    ),
 }
 
 
@@ -955,7 +1050,9 @@ def test_partial_sums_read_whole_wait_with_their_readers(case):
     counts = jsbp.debug.count_collectives(jsbp.jit(f), *args)
     assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), **want}, str(plan)
     assert [b.combined is not None for b in plan.boxings()] == combined, str(plan)
-    assert [b.reused for b in plan.boxings()] == [False] * (len(combined) - 1) + [True], str(plan)  # cos: g1's again
+    assert [b.reused for b in plan.boxings()] == [False] * (len(combined) - 1) + [True], str(
+        plan
+    )  # cos: g1's again
 
 
 @pytest.mark.parametrize("plc", [P4, R24], ids=["4", "2x4"])
@@ -1005,10 +1102,17 @@ def test_megatron_weights_stay_put_without_hints():
         l, g = jax.value_and_grad(loss)(p, tok)
         return l, jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g)
 
-    paths = {kp: jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-    gp = jax.tree_util.tree_map_with_path(lambda kp, v: gt(v, P4, _tp_layout(paths[kp], v.ndim)), params)
+    paths = {
+        kp: jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    gp = jax.tree_util.tree_map_with_path(
+        lambda kp, v: gt(v, P4, _tp_layout(paths[kp], v.ndim)), params
+    )
     gtok = gt(tok, P4, "B")
-    p_lay = [x.sbp for x in jax.tree_util.tree_leaves(gp, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor))]
+    p_lay = [
+        x.sbp
+        for x in jax.tree_util.tree_leaves(gp, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor))
+    ]
     f = jsbp.jit(step, out_sbp=[("B",)] + p_lay)
     ref_l, ref_p = step(params, tok)
     got_l, got_p = f(gp, gtok)
@@ -1016,8 +1120,11 @@ def test_megatron_weights_stay_put_without_hints():
     assert_tree_close(got_p, ref_p, rtol=1e-4, atol=1e-5)
     entry = f.lower_program(gp, gtok)
     n_params = len(p_lay)
-    weights = {v for v, nd in zip(entry.program.jaxpr.invars[:n_params], p_lay)
-               if any(s.is_split for s in nd)}
+    weights = {
+        v
+        for v, nd in zip(entry.program.jaxpr.invars[:n_params], p_lay)
+        if any(s.is_split for s in nd)
+    }
     assert weights and not _converted_inputs(entry.program, weights)
     assert_plan_matches_program(step, gp, gtok)
 
@@ -1061,17 +1168,31 @@ def _two_seed_search(placement, jaxpr, consts, in_layouts, out_nd):
 def _signatures(prog):
     from jsbp._compiler import iter_steps
 
-    return [(st.eqn.primitive.name, [l.nd_sbp for l in st.in_layouts], [l.nd_sbp for l in st.out_layouts])
-            for _, st in iter_steps(prog)]
+    return [
+        (
+            st.eqn.primitive.name,
+            [l.nd_sbp for l in st.in_layouts],
+            [l.nd_sbp for l in st.out_layouts],
+        )
+        for _, st in iter_steps(prog)
+    ]
 
 
 _SEARCH_CASES = {
     # the free seed converts no input: the anchored pass is the free one
-    "matmul_dp": lambda: (lambda x, w: jnp.tanh(x @ w).sum(0), (gt(rand(32, 8), P4, "S(0)"), gt(rand(8, 8), P4, "B"))),
+    "matmul_dp": lambda: (
+        lambda x, w: jnp.tanh(x @ w).sum(0),
+        (gt(rand(32, 8), P4, "S(0)"), gt(rand(8, 8), P4, "B")),
+    ),
     # gathering the small split weight beats keeping it: the free seed is refined and wins
-    "matmul_zero": lambda: (lambda x, w: jnp.tanh(x) @ w, (gt(rand(64, 8), P4, "S(0)"), gt(rand(8, 8), P4, "S(1)"))),
+    "matmul_zero": lambda: (
+        lambda x, w: jnp.tanh(x) @ w,
+        (gt(rand(64, 8), P4, "S(0)"), gt(rand(8, 8), P4, "S(1)")),
+    ),
     # transformer train steps: the free seed drifts and is stopped over its budget
-    **{s: functools.partial(_transformer_step_case, s) for s in ("dp", "tp", "zero3", "hybrid_2x4")},
+    **{
+        s: functools.partial(_transformer_step_case, s) for s in ("dp", "tp", "zero3", "hybrid_2x4")
+    },
 }
 
 
@@ -1087,7 +1208,7 @@ def test_search_skips_work_but_finds_the_two_seed_plan(case, monkeypatch):
     seen = []
     monkeypatch.setattr(_jit, "infer", lambda *a, **k: seen.append(a) or C.infer(*a, **k))
     jsbp.jit(fn).lower_program(*args)
-    (placement, jaxpr, consts, lays, out_nd), = seen
+    ((placement, jaxpr, consts, lays, out_nd),) = seen
     jaxpr = C._dce(jaxpr)
     want = _two_seed_search(placement, jaxpr, consts, lays, out_nd)
     got = C._search(placement, jaxpr, consts, lays, out_nd)
@@ -1116,7 +1237,9 @@ def test_inference_pauses_the_garbage_collector_and_restores_it():
         jsbp.jit(lambda x: jnp.tanh(x).sum(0))(x)
         assert states == [False] and gc.isenabled()
         weird = _no_rule_primitive("jsbp_test_weird_gc")
-        with pytest.raises(jsbp.SbpError):  # a primitive with no rule in strict mode, while inferring
+        with pytest.raises(
+            jsbp.SbpError
+        ):  # a primitive with no rule in strict mode, while inferring
             jsbp.jit(lambda x: weird.bind(x), strict=True)(x)
         assert gc.isenabled()
         gc.disable()
@@ -1175,11 +1298,15 @@ def test_loop_bodies_are_planned_with_lookahead():
     np.testing.assert_allclose(means.numpy(), ref_means, rtol=1e-5, atol=1e-6)
     counts = jsbp.debug.count_collectives(fwd, x, ws)
     # the two statistics (XLA may combine them into one) and the loss: all-reduces only
-    assert counts["all-gather"] == counts["reduce-scatter"] == 0 and 2 <= counts["all-reduce"] <= 3, counts
+    assert (
+        counts["all-gather"] == counts["reduce-scatter"] == 0 and 2 <= counts["all-reduce"] <= 3
+    ), counts
 
     grad = jsbp.jit(jax.grad(lambda x, ws: _scan_batchnorm(x, ws)[0], argnums=1))
     g = grad(x, ws)
-    ref_g = jax.grad(lambda x, ws: _scan_batchnorm(x, ws)[0], argnums=1)(jnp.asarray(xv), jnp.asarray(wv))
+    ref_g = jax.grad(lambda x, ws: _scan_batchnorm(x, ws)[0], argnums=1)(
+        jnp.asarray(xv), jnp.asarray(wv)
+    )
     # float32 sums over 4096 rows in another order, through E[h^2] - E[h]^2: scale-relative
     np.testing.assert_allclose(g.numpy(), ref_g, rtol=1e-3, atol=1e-4 * float(np.abs(ref_g).max()))
     gcounts = jsbp.debug.count_collectives(grad, x, ws)
@@ -1245,13 +1372,22 @@ def test_repeated_layers_are_ranked_once(monkeypatch):
 
     step, args = _deep_mlp_step(3)
     out = jsbp.jit(step)(*args)
-    ref = step(*jax.tree_util.tree_map(lambda t: jnp.asarray(t.numpy()), args,
-                                       is_leaf=lambda t: isinstance(t, jsbp.GlobalTensor)))
+    ref = step(
+        *jax.tree_util.tree_map(
+            lambda t: jnp.asarray(t.numpy()),
+            args,
+            is_leaf=lambda t: isinstance(t, jsbp.GlobalTensor),
+        )
+    )
     # float32 sums in another order through a residual stack whose values grow: scale-relative
-    for o, want in zip(jax.tree_util.tree_leaves(out, is_leaf=lambda t: isinstance(t, jsbp.GlobalTensor)),
-                       jax.tree_util.tree_leaves(ref)):
+    for o, want in zip(
+        jax.tree_util.tree_leaves(out, is_leaf=lambda t: isinstance(t, jsbp.GlobalTensor)),
+        jax.tree_util.tree_leaves(ref),
+    ):
         want = np.asarray(want)
-        np.testing.assert_allclose(o.numpy(), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+        np.testing.assert_allclose(
+            o.numpy(), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max())
+        )
 
 
 def test_batchnorm_under_data_parallelism_reduces_statistics_not_activations():
@@ -1280,9 +1416,12 @@ def test_batchnorm_under_data_parallelism_reduces_statistics_not_activations():
     def step(params, rest, x):
         def loss(params):
             return jnp.mean(nnx.merge(gdef, params, jax.tree.map(lambda v: v, rest))(x) ** 2)
+
         return jax.value_and_grad(loss)(params)
 
-    put = functools.partial(jax.tree.map, lambda a: jsbp.tensor(np.asarray(a), placement=p8, sbp="B"))
+    put = functools.partial(
+        jax.tree.map, lambda a: jsbp.tensor(np.asarray(a), placement=p8, sbp="B")
+    )
     args = (put(params), put(rest), jsbp.tensor(xv, placement=p8, sbp="S(0)"))
     f = jsbp.jit(step)
     plan = jsbp.explain(f, *args)
@@ -1291,8 +1430,10 @@ def test_batchnorm_under_data_parallelism_reduces_statistics_not_activations():
     loss, grads = f(*args)
     ref_loss, ref_grads = jax.jit(step)(params, rest, xv)
     np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor)),
-                    jax.tree.leaves(ref_grads)):
+    for g, r in zip(
+        jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor)),
+        jax.tree.leaves(ref_grads),
+    ):
         np.testing.assert_allclose(g.numpy(), np.asarray(r), rtol=1e-4, atol=1e-5)
 
 

@@ -26,7 +26,9 @@ def _program(jf, *args):
 def test_a_loop_body_collective_is_launched_once_per_iteration(length):
     """A scan whose body all-reduces a partial matmul: one collective in the compiled program,
     ``length`` launched per step, and ``length`` times the body's bytes."""
-    xs = jsbp.tensor(RNG.standard_normal((length, 8, 12)).astype(np.float32), placement=P4, sbp="S(2)")
+    xs = jsbp.tensor(
+        RNG.standard_normal((length, 8, 12)).astype(np.float32), placement=P4, sbp="S(2)"
+    )
     w = jsbp.tensor(RNG.standard_normal((12, 5)).astype(np.float32), placement=P4, sbp="S(0)")
 
     def f(xs, w):
@@ -52,7 +54,9 @@ def test_a_loop_body_collective_is_launched_once_per_iteration(length):
 def test_combined_collectives_are_launched_once():
     """Three partial sums reduced for an op that reads them whole run as one collective: the
     estimate launches one, as the compiled program has it."""
-    locs = [[RNG.standard_normal(s).astype(np.float32) for _ in range(4)] for s in [(8,), (4, 4), (6,)]]
+    locs = [
+        [RNG.standard_normal(s).astype(np.float32) for _ in range(4)] for s in [(8,), (4, 4), (6,)]
+    ]
     gs = [jsbp.from_local(ls, placement=P4, sbp="P") for ls in locs]
     jf = jsbp.jit(lambda a, b, c: (a * a, b * b, c * c))
     outs = jf(*gs)

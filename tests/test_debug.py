@@ -167,7 +167,11 @@ def test_fused_gradient_reductions_match_the_plan():
     f = jsbp.jit(step, out_sbp="B")
     # the five gradients' all-reduces, each read by its update, run as one combined collective
     # (``jsbp._combine``: the updates wait with them); XLA's count and the plan's agree
-    assert count_collectives(f, params, x) == jsbp.explain(f, params, x).collectives() == _with(all_reduce=1)
+    assert (
+        count_collectives(f, params, x)
+        == jsbp.explain(f, params, x).collectives()
+        == _with(all_reduce=1)
+    )
     rows = [b for b in jsbp.explain(f, params, x).boxings() if b.collectives == ("all-reduce",)]
     assert len(rows) == 5 and {b.combined for b in rows} == {0}
 

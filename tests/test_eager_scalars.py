@@ -66,19 +66,50 @@ def test_a_schedule_of_scalars_compiles_once(x):
     np.testing.assert_allclose(w.numpy(), want, rtol=1e-6)
 
 
-@pytest.mark.parametrize("op", ["add", "sub", "mul", "truediv", "pow", "radd", "rsub", "rmul", "rtruediv",
-                                "lt", "ge", "eq", "maximum", "where", "clip"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "pow",
+        "radd",
+        "rsub",
+        "rmul",
+        "rtruediv",
+        "lt",
+        "ge",
+        "eq",
+        "maximum",
+        "where",
+        "clip",
+    ],
+)
 def test_every_elementwise_op_takes_a_new_float_without_compiling(x, op):
     fns = {
-        "add": lambda t, s: t + s, "sub": lambda t, s: t - s, "mul": lambda t, s: t * s,
-        "truediv": lambda t, s: t / s, "pow": lambda t, s: abs(t) ** s, "radd": lambda t, s: s + t,
-        "rsub": lambda t, s: s - t, "rmul": lambda t, s: s * t, "rtruediv": lambda t, s: s / (t + 1),
-        "lt": lambda t, s: t < s, "ge": lambda t, s: t >= s, "eq": lambda t, s: t == s,
-        "maximum": lambda t, s: jsbp.numpy.maximum(t, s), "where": lambda t, s: jsbp.numpy.where(t > 3, t, s),
+        "add": lambda t, s: t + s,
+        "sub": lambda t, s: t - s,
+        "mul": lambda t, s: t * s,
+        "truediv": lambda t, s: t / s,
+        "pow": lambda t, s: abs(t) ** s,
+        "radd": lambda t, s: s + t,
+        "rsub": lambda t, s: s - t,
+        "rmul": lambda t, s: s * t,
+        "rtruediv": lambda t, s: s / (t + 1),
+        "lt": lambda t, s: t < s,
+        "ge": lambda t, s: t >= s,
+        "eq": lambda t, s: t == s,
+        "maximum": lambda t, s: jsbp.numpy.maximum(t, s),
+        "where": lambda t, s: jsbp.numpy.where(t > 3, t, s),
         "clip": lambda t, s: t.clip(s, 20.0),
     }
-    jnp_fns = {**fns, "maximum": lambda t, s: jnp.maximum(t, s), "where": lambda t, s: jnp.where(t > 3, t, s),
-               "clip": lambda t, s: jnp.clip(t, s, 20.0)}
+    jnp_fns = {
+        **fns,
+        "maximum": lambda t, s: jnp.maximum(t, s),
+        "where": lambda t, s: jnp.where(t > 3, t, s),
+        "clip": lambda t, s: jnp.clip(t, s, 20.0),
+    }
     f = fns[op]
     f(x, 1.5)
     f(abs(x), 1.5)  # the abs program of "pow"
@@ -117,7 +148,7 @@ def test_integer_powers_stay_integer_pow(x):
     v = jnp.asarray(np.linspace(-3, 3, 24, dtype=np.float32).reshape(6, 4) * 1.1)
     t = jsbp.tensor(np.asarray(v), placement=x.placement, sbp="S(0)")
     for k in (2, 3, -1):
-        np.testing.assert_array_equal((t ** k).numpy(), np.asarray(v ** k))
+        np.testing.assert_array_equal((t**k).numpy(), np.asarray(v**k))
 
 
 def test_ints_out_of_range_behave_as_in_jnp(x):
@@ -167,6 +198,7 @@ def test_dropped_jit_functions_release_their_closures():
 
 def test_dropped_jit_functions_release_their_closures_after_grad():
     """The same after ``jax.grad`` ran the function's backward program."""
+
     def make(arr):
         f = jsbp.jit(lambda t: (t * arr).sum())
         return lambda x: jax.grad(lambda t: f(t).to_jax())(x)
@@ -184,8 +216,14 @@ def test_eager_scalars_benchmark_runs():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    res = subprocess.run([sys.executable, str(root / "benchmarks" / "eager_scalars.py"), "--steps", "20"],
-                         cwd=root, env=dict(os.environ), capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "eager_scalars.py"), "--steps", "20"],
+        cwd=root,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "schedule / constant" in res.stdout
 
@@ -199,7 +237,13 @@ def test_numpy_scalars_keep_python_scalars_on_the_fast_path(x):
     x * 0.5
     x * np.float32(2.0)
     x * 2
-    wrappers = {key[-1]: jf for key, jf in _ops._CACHE.items() if key[0] is jnp.multiply and key[1] == (0, 1)}
+    wrappers = {
+        key[-1]: jf
+        for key, jf in _ops._CACHE.items()
+        if key[0] is jnp.multiply and key[1] == (0, 1)
+    }
     assert wrappers[(float,)]._outer is not None and wrappers[(int,)]._outer is not None
     np.testing.assert_array_equal((x * np.float32(2.0)).numpy(), x.numpy() * np.float32(2.0))
-    assert (x.astype(jnp.float16) * np.float32(2.0)).dtype == jnp.float32  # a strong float32, as in jnp
+    assert (
+        x.astype(jnp.float16) * np.float32(2.0)
+    ).dtype == jnp.float32  # a strong float32, as in jnp

@@ -32,8 +32,6 @@ FULL = os.environ.get("JSBP_FULL", "") not in ("", "0")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-
-
 tg = load_example("train_gpt")
 
 CFG = tg.GPTConfig(vocab=56, seq=16, d_model=32, n_heads=8, n_layers=1, d_mlp=64)
@@ -317,9 +315,7 @@ def test_data_parallel_communicates_only_gradient_all_reduces():
     assert all((b.src, b.dst) == ("(P)", "(B)") for b in boxings)
     # one gradient per parameter (the reduction may run before a transpose / reshape of it: the
     # same bytes either way, so compare sizes)
-    param_sizes = sorted(
-        x.size for x in jax.tree.leaves(nnx.state(tg.init(CFG, 0)[0], nnx.Param))
-    )
+    param_sizes = sorted(x.size for x in jax.tree.leaves(nnx.state(tg.init(CFG, 0)[0], nnx.Param)))
     assert sorted(math.prod(b.shape) for b in boxings) == param_sizes
     # jsbp runs most of them as combined all-reduces (XLA:CPU does not combine them itself)
     assert 1 <= counts["all-reduce"] < _n_params() and counts == plan.collectives()
@@ -431,7 +427,9 @@ def test_small_vocabulary_gathers_the_table_instead_of_reducing_activations():
     assert table < BATCH * CFG.seq * CFG.d_model  # the premise
     plan, counts = _plan_and_counts("tp=8")
     gathers = [b for b in plan.boxings() if "all-gather" in b.collectives]
-    assert [(b.src, b.dst, b.shape) for b in gathers] == [("(S(0))", "(B)", (CFG.vocab, CFG.d_model))]
+    assert [(b.src, b.dst, b.shape) for b in gathers] == [
+        ("(S(0))", "(B)", (CFG.vocab, CFG.d_model))
+    ]
     reductions = [b for b in plan.boxings() if "all-reduce" in b.collectives]
     assert all(b.src.startswith("(P") and b.dst == "(B)" for b in reductions)
     # forward: one all-reduce per row-parallel layer; backward: one per column-parallel input

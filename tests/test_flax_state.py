@@ -38,7 +38,10 @@ def _dp2tp4():
 def _batches(n, rows=16, d_in=8, d_out=4, seed=0):
     rng = np.random.default_rng(seed)
     return [
-        (rng.normal(size=(rows, d_in)).astype(np.float32), rng.normal(size=(rows, d_out)).astype(np.float32))
+        (
+            rng.normal(size=(rows, d_in)).astype(np.float32),
+            rng.normal(size=(rows, d_out)).astype(np.float32),
+        )
         for _ in range(n)
     ]
 
@@ -102,7 +105,9 @@ def test_dropout_rng_streams_match_one_device(make_strategy):
     ref_model, ref_opt = _new_drop()
     model, opt = jflax.shard(_new_drop(), strategy)
     keys = [p for p, v in jflax.layouts(model).items() if "rngs" in p]
-    assert keys and all(jflax.layouts(model)[p] == jsbp._sbp.nd_str((B,) * strategy.placement.ndim) for p in keys)
+    assert keys and all(
+        jflax.layouts(model)[p] == jsbp._sbp.nd_str((B,) * strategy.placement.ndim) for p in keys
+    )
     ref_step = jflax.make_train_step(_mse, None)
     step = jflax.make_train_step(_mse, strategy)
     for i, batch in enumerate(_batches(3)):
@@ -165,12 +170,18 @@ def test_checkpoint_round_trip_keeps_rng_keys(tmp_path):
     for k in before:
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
     key = model2.drop1.rngs.key.get_value()
-    assert isinstance(key, jsbp.GlobalTensor) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    assert isinstance(key, jsbp.GlobalTensor) and jax.dtypes.issubdtype(
+        key.dtype, jax.dtypes.prng_key
+    )
     # both continue identically (same dropout masks, same parameters)
     for b in batches[1:]:
-        np.testing.assert_allclose(float(step(model2, opt2, b)), float(step(model, opt, b)), rtol=RTOL)
+        np.testing.assert_allclose(
+            float(step(model2, opt2, b)), float(step(model, opt, b)), rtol=RTOL
+        )
     # as saved (no target), and with key TensorSpecs
-    raw = jax.tree.leaves(ck.load(tmp_path / "ckpt"), is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor))
+    raw = jax.tree.leaves(
+        ck.load(tmp_path / "ckpt"), is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor)
+    )
     keys = [x for x in raw if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
     assert len(keys) == 2 and all(x.sbp == (B, B) for x in keys)
     spec = ck.TensorSpec.like(key)
@@ -309,10 +320,19 @@ def test_sharding_metadata_named_sharding_and_with_partitioning():
         def __init__(self, rngs):
             ns = jax.sharding.NamedSharding
             init = nnx.initializers.lecun_normal()
-            self.a = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(init, ns(mesh, P_(None, "tp"))), rngs=rngs)
-            self.b = nnx.Linear(32, 16, kernel_init=nnx.with_partitioning(init, ns(mesh, P_("tp"))), rngs=rngs)
+            self.a = nnx.Linear(
+                16, 32, kernel_init=nnx.with_partitioning(init, ns(mesh, P_(None, "tp"))), rngs=rngs
+            )
+            self.b = nnx.Linear(
+                32, 16, kernel_init=nnx.with_partitioning(init, ns(mesh, P_("tp"))), rngs=rngs
+            )
             # another mesh's axis names: read through logical_axes ("model" -> tp), else B
-            self.c = nnx.Linear(16, 16, kernel_init=nnx.with_partitioning(init, ns(other, P_("data", "model"))), rngs=rngs)
+            self.c = nnx.Linear(
+                16,
+                16,
+                kernel_init=nnx.with_partitioning(init, ns(other, P_("data", "model"))),
+                rngs=rngs,
+            )
             self.d = nnx.Linear(16, 8, kernel_init=nnx.with_partitioning(init, P_("dp")), rngs=rngs)
 
         def __call__(self, x):
@@ -330,10 +350,14 @@ def test_sharding_metadata_named_sharding_and_with_partitioning():
     )
     # and it trains like one device
     ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
-    model, opt = jflax.shard((model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)), strategy)
+    model, opt = jflax.shard(
+        (model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)), strategy
+    )
     ref_step, step = jflax.make_train_step(_mse, None), jflax.make_train_step(_mse, strategy)
     for batch in _batches(2, d_in=16, d_out=8):
-        np.testing.assert_allclose(float(step(model, opt, batch)), float(ref_step(ref, ref_opt, batch)), rtol=RTOL)
+        np.testing.assert_allclose(
+            float(step(model, opt, batch)), float(ref_step(ref, ref_opt, batch)), rtol=RTOL
+        )
 
 
 def test_sharding_metadata_errors_teach():
@@ -387,7 +411,9 @@ def test_call_time_rngs_match_one_device(make_strategy):
         np.testing.assert_allclose(got, want, rtol=RTOL)
         assert int(_np(rngs.dropout.count.get_value())) == i + 1  # advanced in place
     assert isinstance(rngs.dropout.key.get_value(), jsbp.GlobalTensor)
-    np.testing.assert_array_equal(_key_data(rngs.dropout.key.get_value()), _key_data(ref_rngs.dropout.key.get_value()))
+    np.testing.assert_array_equal(
+        _key_data(rngs.dropout.key.get_value()), _key_data(ref_rngs.dropout.key.get_value())
+    )
 
 
 def test_call_time_rngs_give_a_new_mask_every_step():
@@ -402,7 +428,9 @@ def test_call_time_rngs_give_a_new_mask_every_step():
     ref_model, ref_opt = _new_call(lr=0.0)
     ref = jflax.make_train_step(_mse_rngs, None)
     r = nnx.Rngs(dropout=0)
-    np.testing.assert_allclose([float(ref(ref_model, ref_opt, batch, r)) for _ in range(2)], [a, b], rtol=RTOL)
+    np.testing.assert_allclose(
+        [float(ref(ref_model, ref_opt, batch, r)) for _ in range(2)], [a, b], rtol=RTOL
+    )
     with pytest.raises(jsbp.SbpError, match="nnx.Rngs"):
         step(model, opt, batch, jax.random.key(0))
 
@@ -429,7 +457,9 @@ def test_key_in_the_batch_matches_one_device():
     x, t = _batches(1)[0]
     frozen = jflax.make_train_step(_mse_key, strategy)
     m0, o0 = jflax.shard(_new_call(lr=0.0), strategy)
-    assert float(frozen(m0, o0, (x, t, jax.random.key(1)))) != float(frozen(m0, o0, (x, t, jax.random.key(2))))
+    assert float(frozen(m0, o0, (x, t, jax.random.key(1)))) != float(
+        frozen(m0, o0, (x, t, jax.random.key(2)))
+    )
 
 
 def test_jax_grad_through_jsbp_jit_with_key_inputs_and_outputs():

@@ -57,7 +57,10 @@ def _mse(model, batch):
 def _batches(n, rows=16, d_in=8, d_out=4, seed=0):
     rng = np.random.default_rng(seed)
     return [
-        (rng.normal(size=(rows, d_in)).astype(np.float32), rng.normal(size=(rows, d_out)).astype(np.float32))
+        (
+            rng.normal(size=(rows, d_in)).astype(np.float32),
+            rng.normal(size=(rows, d_out)).astype(np.float32),
+        )
         for _ in range(n)
     ]
 
@@ -94,7 +97,9 @@ def _tp_rule():
 
 STRATEGIES = {
     "dp4": lambda: jflax.Strategy(_plc((4,), ("dp",))),
-    "tp4": lambda: jflax.Strategy(_plc((4,), ("tp",)), param_sbp=[(r, (s,)) for r, s in _tp_rule()]),
+    "tp4": lambda: jflax.Strategy(
+        _plc((4,), ("tp",)), param_sbp=[(r, (s,)) for r, s in _tp_rule()]
+    ),
     "dp2xtp2_zero1": lambda: jflax.Strategy(
         _plc((2, 2), ("dp", "tp")), param_sbp=[(r, ("B", s)) for r, s in _tp_rule()], zero=1
     ),
@@ -213,8 +218,12 @@ def test_adafactor_layouts_show_in_the_strategy_table():
     table = s.table((model, opt))
     rows = {line.split()[0]: line for line in table.splitlines()[2:]}
     assert "param_sbp 'k/kernel'" in rows["0/k/kernel"] and "S(1)" in rows["0/k/kernel"]
-    assert "derived from 0/k/kernel (8, 16) (keeps dims (1,))" in rows["1/opt_state/0/v_col/k/kernel"]
-    assert "derived from 0/k/kernel (8, 16) (keeps dims (0,))" in rows["1/opt_state/0/v_row/k/kernel"]
+    assert (
+        "derived from 0/k/kernel (8, 16) (keeps dims (1,))" in rows["1/opt_state/0/v_col/k/kernel"]
+    )
+    assert (
+        "derived from 0/k/kernel (8, 16) (keeps dims (0,))" in rows["1/opt_state/0/v_row/k/kernel"]
+    )
     assert "B: shaped (1,), unlike 0/k/kernel (8, 16)" in rows["1/opt_state/0/v/k/kernel"]
     assert "follows 0/k/bias" in rows["1/opt_state/0/v/k/bias"]
     lays = jflax.leaf_layouts(list(nnx.to_flat_state(nnx.state((model, opt)))), s)

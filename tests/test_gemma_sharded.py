@@ -46,7 +46,9 @@ def _tx():
 
 def _params(model):
     return {
-        k: np.asarray(v.get_value().numpy() if isinstance(v.get_value(), jsbp.GlobalTensor) else v.get_value())
+        k: np.asarray(
+            v.get_value().numpy() if isinstance(v.get_value(), jsbp.GlobalTensor) else v.get_value()
+        )
         for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
     }
 

@@ -58,7 +58,11 @@ CASES = [
 # -- GlobalTensor <-> jax.Array ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pname,nd,shape", CASES, ids=[f"{p}-{','.join(nd)}-{'x'.join(map(str, s))}" for p, nd, s in CASES])
+@pytest.mark.parametrize(
+    "pname,nd,shape",
+    CASES,
+    ids=[f"{p}-{','.join(nd)}-{'x'.join(map(str, s))}" for p, nd, s in CASES],
+)
 def test_round_trip(pname, nd, shape):
     plc = PLACEMENTS[pname]
     v = value(shape, seed=len(shape))
@@ -66,7 +70,9 @@ def test_round_trip(pname, nd, shape):
     lay = x.layout
     if not lay.is_even:
         d = next(d for d, n in enumerate(shape) if n % lay.ways(d))
-        with pytest.raises(jsbp.SbpError, match=rf"to_jax: dim {d} .*size {shape[d]}.*does not split evenly"):
+        with pytest.raises(
+            jsbp.SbpError, match=rf"to_jax: dim {d} .*size {shape[d]}.*does not split evenly"
+        ):
             x.to_jax()
         return
     a = x.to_jax()
@@ -92,7 +98,9 @@ def test_named_sharding():
     assert jsbp.named_sharding(P4, sbp.split(-1), 2).spec == P(None, "x")
     assert jsbp.named_sharding(P4, "B", 1).spec == P(None)
     assert jsbp.named_sharding(P4, "P", 1).spec == P(None, unreduced={"x"})
-    assert jsbp.named_sharding(Q22, ("S(1)", "S(1)"), 2).spec == P(None, ("dp", "tp"))  # outer axis first
+    assert jsbp.named_sharding(Q22, ("S(1)", "S(1)"), 2).spec == P(
+        None, ("dp", "tp")
+    )  # outer axis first
     assert jsbp.named_sharding(Q22, ("S(0)", "P"), 2).spec == P("dp", None, unreduced={"tp"})
     s = jsbp.named_sharding(Q22, ("B", "S(0)"), 3)
     assert isinstance(s, NamedSharding) and s.mesh.axis_names == ("dp", "tp")
@@ -124,8 +132,13 @@ def test_tensor_of_a_user_array_reads_placement_and_sbp():
     z = jsbp.tensor(arr, sbp=("B", "S(1)"), dtype=jnp.bfloat16)
     assert z.placement == Q22 and z.sbp == (sbp.broadcast, sbp.split(1)) and z.dtype == jnp.bfloat16
     # an unreduced array: its addends become P
-    adds = [jax.device_put(np.full((3,), float(i), np.float32), d) for i, d in enumerate(jax.devices()[:4])]
-    u = jax.make_array_from_single_device_arrays((3,), NamedSharding(explicit((4,), ("x",)), P(None, unreduced={"x"})), adds)
+    adds = [
+        jax.device_put(np.full((3,), float(i), np.float32), d)
+        for i, d in enumerate(jax.devices()[:4])
+    ]
+    u = jax.make_array_from_single_device_arrays(
+        (3,), NamedSharding(explicit((4,), ("x",)), P(None, unreduced={"x"})), adds
+    )
     pu = jsbp.tensor(u)
     assert pu.placement == P4 and pu.sbp == (sbp.partial_sum,)
     np.testing.assert_array_equal(pu.numpy(), np.full((3,), 6.0))
@@ -214,12 +227,21 @@ def test_typeof_inside_jsbp_jit_is_the_layout():
     y, g, c2, d2, _ = jsbp.jit(f)(a, b, c, d, e)
     assert len(interop.UNTYPED) == before  # typed: JAX's rules accepted this program
     specs = {k: v.spec for k, v in seen.items()}
-    assert specs == {"a": P("dp", None), "b": P(None, "tp"), "c": P(("dp", "tp"), None),
-                     "d": P(None, "tp"), "e": P(None, "tp"), "g": P(None, "tp")}
+    assert specs == {
+        "a": P("dp", None),
+        "b": P(None, "tp"),
+        "c": P(("dp", "tp"), None),
+        "d": P(None, "tp"),
+        "e": P(None, "tp"),
+        "g": P(None, "tp"),
+    }
     for v in seen.values():
         assert tuple(v.mesh.axis_names) == ("dp", "tp") and v.mesh.axis_sizes == (2, 2)
         assert all(t == AxisType.Explicit for t in v.mesh.axis_types)
-    assert y.sbp == (sbp.split(0), sbp.broadcast)  # reshard(.., typeof(a).sharding) asked a's layout
+    assert y.sbp == (
+        sbp.split(0),
+        sbp.broadcast,
+    )  # reshard(.., typeof(a).sharding) asked a's layout
     np.testing.assert_allclose(y.numpy(), np.tanh(bv), rtol=1e-6)
     np.testing.assert_allclose(g.numpy(), av * 2, rtol=1e-6)
     np.testing.assert_allclose(c2.numpy() + d2.numpy(), av + bv, rtol=1e-6)
@@ -236,7 +258,10 @@ def test_programs_jax_cannot_type_are_traced_untyped():
     w2 = jsbp.tensor(w2v, placement=P4, sbp="S(0)")
     before = len(interop.UNTYPED)
     out = jsbp.jit(lambda x, w1, w2: jnp.tanh(x @ w1) @ w2)(x, w1, w2)
-    assert len(interop.UNTYPED) == before + 1 and "Contracting dimensions are sharded" in interop.UNTYPED[-1]
+    assert (
+        len(interop.UNTYPED) == before + 1
+        and "Contracting dimensions are sharded" in interop.UNTYPED[-1]
+    )
     assert out.sbp == (sbp.partial_sum,)
     np.testing.assert_allclose(out.numpy(), np.tanh(xv @ w1v) @ w2v, rtol=1e-5, atol=1e-5)
 
@@ -296,7 +321,10 @@ def test_requests_keep_p_split_over_tuples_and_count():
         return jnp.dot(a, b, out_sharding=P(None, None, unreduced={"dp", "tp"}))
 
     av, bv = value((4, 8), 4), value((8, 4), 5)
-    a, b = jsbp.tensor(av, placement=Q22, sbp=("B", "B")), jsbp.tensor(bv, placement=Q22, sbp=("B", "B"))
+    a, b = (
+        jsbp.tensor(av, placement=Q22, sbp=("B", "B")),
+        jsbp.tensor(bv, placement=Q22, sbp=("B", "B")),
+    )
     with jax.set_mesh(mesh):
         y = jsbp.jit(f)(a, b)
         counts = jsbp.debug.count_collectives(jsbp.jit(f), a, b)
@@ -324,7 +352,11 @@ def test_with_sharding_constraint_is_a_request():
                 y = f(x, w)
         assert y.sbp == (sbp.split(0), sbp.split(1))
         np.testing.assert_allclose(y.numpy(), np.sin(xv @ wv), rtol=1e-5, atol=1e-5)
-    steps = [r for r in str(jsbp.explain(jsbp.jit(g), x, w)).splitlines() if r.startswith("sharding_constraint")]
+    steps = [
+        r
+        for r in str(jsbp.explain(jsbp.jit(g), x, w)).splitlines()
+        if r.startswith("sharding_constraint")
+    ]
     assert len(steps) == 2 and "(B, S(1))" in steps[0]
 
 
@@ -374,7 +406,9 @@ def test_flax_linear_and_embed_with_out_sharding(with_mesh):
 # -- jsbp under an active jax.set_mesh ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape,names", [((4,), ("x",)), ((2, 4), ("a", "b"))], ids=["same_devices", "eight_devices"])
+@pytest.mark.parametrize(
+    "shape,names", [((4,), ("x",)), ((2, 4), ("a", "b"))], ids=["same_devices", "eight_devices"]
+)
 def test_jsbp_works_under_set_mesh(shape, names):
     v = value((8, 6), 9)
     with jax.set_mesh(explicit(shape, names)):
@@ -382,18 +416,29 @@ def test_jsbp_works_under_set_mesh(shape, names):
         np.testing.assert_array_equal(x.to_global(sbp="B").numpy(), v)  # boxing
         np.testing.assert_allclose((x * 2 + 1).numpy(), v * 2 + 1, rtol=1e-6)  # eager op
         r = jsbp.randn(8, 6, key=0, placement=P4, sbp="S(1)")
-        np.testing.assert_array_equal(r.numpy(), jsbp.randn(8, 6, key=0, placement=P4, sbp="B").numpy())
+        np.testing.assert_array_equal(
+            r.numpy(), jsbp.randn(8, 6, key=0, placement=P4, sbp="B").numpy()
+        )
         y = jsbp.jit(lambda a: jnp.tanh(a).sum(0))(x)
         np.testing.assert_allclose(y.numpy(), np.tanh(v).sum(0), rtol=1e-5)
         m = jsbp.mirrored(lambda a: a * 3, placement=P4)([np.full(2, float(i)) for i in range(4)])
         assert [np.asarray(a).tolist() for a in m] == [[3.0 * i] * 2 for i in range(4)]
-        assert jsbp.debug.count_collectives(jsbp.jit(lambda t: jsbp.to_global(t, sbp="B")), x)["all-gather"] == 1
+        assert (
+            jsbp.debug.count_collectives(jsbp.jit(lambda t: jsbp.to_global(t, sbp="B")), x)[
+                "all-gather"
+            ]
+            == 1
+        )
         for nd in ("S(0)", "P"):  # to_jax / tensor(jax_array) round trip
             t = jsbp.tensor(x.to_jax() if nd == "S(0)" else x.to_global(sbp="P").to_jax())
             assert t.sbp == (sbp.parse(nd),) and t.placement == P4
             np.testing.assert_allclose(t.numpy(), v, rtol=1e-6)
-        if shape == (4,):  # the eager API under the user's own jax.jit: JAX wants one device set there
-            assert jsbp.debug.count_collectives(lambda t: t.to_global(sbp="B"), x)["all-gather"] == 1
+        if shape == (
+            4,
+        ):  # the eager API under the user's own jax.jit: JAX wants one device set there
+            assert (
+                jsbp.debug.count_collectives(lambda t: t.to_global(sbp="B"), x)["all-gather"] == 1
+            )
 
 
 def test_context_mesh_holders_are_found_by_value(monkeypatch):
@@ -416,10 +461,15 @@ def test_context_mesh_holders_are_found_by_value(monkeypatch):
 
     with jax.set_mesh(mesh):
         probe(1.0)
-        named = (getattr(jax_config, "abstract_mesh_context_manager", None), getattr(jax_config, "device_context", None))
+        named = (
+            getattr(jax_config, "abstract_mesh_context_manager", None),
+            getattr(jax_config, "device_context", None),
+        )
         if None not in named:  # this JAX still has the names: the search finds those holders
             assert found[0][0] is named[0] and found[0][1] is named[1]
-        monkeypatch.setattr(_interop, "_mesh_holders", functools.partial(_interop._mesh_holders, by_name=False))
+        monkeypatch.setattr(
+            _interop, "_mesh_holders", functools.partial(_interop._mesh_holders, by_name=False)
+        )
         x = jsbp.tensor(value((8, 6), 9), placement=P4, sbp="S(0)")
         assert jsbp.debug.count_collectives(lambda t: t.to_global(sbp="B"), x)["all-gather"] == 1
         assert jax.sharding.get_abstract_mesh() == mesh.abstract_mesh  # put back

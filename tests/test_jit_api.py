@@ -40,11 +40,20 @@ def test_keyword_arguments_at_call_time(plc):
     bias = _g(np.arange(3.0), plc, "S(0)")
     g = jsbp.jit(f)
     ref = jax.jit(f)
-    cases = [((x,), dict(b=w)), ((x, w), dict(scale=2.5)), ((), dict(a=x, b=w, extra={"bias": bias}, scale=0.5))]
+    cases = [
+        ((x,), dict(b=w)),
+        ((x, w), dict(scale=2.5)),
+        ((), dict(a=x, b=w, extra={"bias": bias}, scale=0.5)),
+    ]
     for args, kwargs in cases:
         got = g(*args, **kwargs)
         plain = lambda v: jnp.asarray(v.numpy()) if isinstance(v, jsbp.GlobalTensor) else v  # noqa: E731
-        want = ref(*map(plain, args), **jax.tree_util.tree_map(plain, kwargs, is_leaf=lambda v: isinstance(v, jsbp.GlobalTensor)))
+        want = ref(
+            *map(plain, args),
+            **jax.tree_util.tree_map(
+                plain, kwargs, is_leaf=lambda v: isinstance(v, jsbp.GlobalTensor)
+            ),
+        )
         np.testing.assert_allclose(got.numpy(), np.asarray(want), rtol=1e-6)
 
 
@@ -53,15 +62,25 @@ def test_a_new_keyword_scalar_is_no_new_program(plc):
     g = jsbp.jit(f)
     g(x, w, scale=1.0)
     for s in (0.5, 2.0, -0.0, 3.25):
-        np.testing.assert_allclose(g(x, w, scale=s).numpy(), np.asarray(jax.jit(f)(X, W, scale=s)), rtol=1e-6)
+        np.testing.assert_allclose(
+            g(x, w, scale=s).numpy(), np.asarray(jax.jit(f)(X, W, scale=s)), rtol=1e-6
+        )
     assert len(g._cache) == 1
 
 
 def test_static_argnames_by_keyword_and_by_position(plc):
     x, w = _g(X, plc, "S(0)"), _g(W, plc, "B")
     g = jsbp.jit(f, static_argnames=("mode",))
-    np.testing.assert_allclose(g(x, w, mode="add", scale=2.0).numpy(), np.asarray(f(X, W, mode="add", scale=2.0)), rtol=1e-6)
-    np.testing.assert_allclose(g(x, w, mode="mul", scale=2.0).numpy(), np.asarray(f(X, W, mode="mul", scale=2.0)), rtol=1e-6)
+    np.testing.assert_allclose(
+        g(x, w, mode="add", scale=2.0).numpy(),
+        np.asarray(f(X, W, mode="add", scale=2.0)),
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(
+        g(x, w, mode="mul", scale=2.0).numpy(),
+        np.asarray(f(X, W, mode="mul", scale=2.0)),
+        rtol=1e-6,
+    )
 
     def h(a, n, b):
         return a * n + b.sum()
@@ -80,8 +99,10 @@ def test_static_values_are_typed(plc):
     """A static argument is keyed by type and value: ``1``, ``1.0`` and ``True`` are three
     programs (``h`` branches on the type)."""
     x = _g(X, plc, "S(0)")
-    g = jsbp.jit(lambda a, k: a * 2 if isinstance(k, bool) else (a + k if isinstance(k, int) else a - k),
-                 static_argnames="k")
+    g = jsbp.jit(
+        lambda a, k: a * 2 if isinstance(k, bool) else (a + k if isinstance(k, int) else a - k),
+        static_argnames="k",
+    )
     np.testing.assert_allclose(g(x, k=1).numpy(), X + 1, rtol=1e-6)
     np.testing.assert_allclose(g(x, k=1.0).numpy(), X - 1, rtol=1e-6)
     np.testing.assert_allclose(g(x, k=True).numpy(), X * 2, rtol=1e-6)
@@ -104,11 +125,15 @@ def test_negative_static_argnums(plc):
 def test_donated_buffers_are_deleted_as_jax_does(plc, how):
     """A donated global tensor's buffer goes to the program and is deleted, as ``jax.jit``
     deletes a donated ``jax.Array``; the others stay; the result is right."""
+
     def h(a, b):
         return a * 2 + b
 
-    kw = {"argnums": dict(donate_argnums=0), "argnames": dict(donate_argnames="a"),
-          "negative": dict(donate_argnums=-2)}[how]
+    kw = {
+        "argnums": dict(donate_argnums=0),
+        "argnames": dict(donate_argnames="a"),
+        "negative": dict(donate_argnums=-2),
+    }[how]
     ref_in = jax.device_put(jnp.asarray(X), jax.sharding.NamedSharding(plc.mesh, jax.P()))
     ref_b = jax.device_put(jnp.asarray(X), jax.sharding.NamedSharding(plc.mesh, jax.P()))
     jax.jit(h, **kw)(ref_in, ref_b)
@@ -140,11 +165,15 @@ def test_a_jsbp_jit_function_inside_another(plc):
     x, w = _g(X, plc, "S(0)"), _g(W, plc, "B")
     inner = jsbp.jit(lambda a: jnp.tanh(a), out_sbp="B")
     outer = jsbp.jit(lambda a, b: inner(a) @ b)
-    np.testing.assert_allclose(outer(x, w).numpy(), np.asarray(jnp.tanh(X) @ W), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        outer(x, w).numpy(), np.asarray(jnp.tanh(X) @ W), rtol=1e-5, atol=1e-6
+    )
     assert count_collectives(outer, x, w)["all-gather"] == 1  # the annotation's S(0) -> B
     plain_inner = jsbp.jit(lambda a, b: a @ b)
     outer2 = jsbp.jit(lambda a, b: plain_inner(a, b=b) * 2)
-    np.testing.assert_allclose(outer2(x, w).numpy(), np.asarray(jnp.asarray(X) @ W * 2), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        outer2(x, w).numpy(), np.asarray(jnp.asarray(X) @ W * 2), rtol=1e-5, atol=1e-6
+    )
     assert sum(count_collectives(outer2, x, w).values()) == 0
 
 

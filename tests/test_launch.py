@@ -321,7 +321,9 @@ def test_jax_sigterm_to_one_rank_ends_the_job(tmp_path):
     assert r.returncode == 128 + signal.SIGTERM, r.stderr[-3000:]
     err = r.stderr
     assert "jsbp.launch: failed: rank 1 was killed by SIGTERM (exit code -15)" in err, err[-3000:]
-    assert re.search(r"jsbp.launch: rank 1: in <module> \(.*fault_worker.py:\d+\)", err), err[-3000:]
+    assert re.search(r"jsbp.launch: rank 1: in <module> \(.*fault_worker.py:\d+\)", err), err[
+        -3000:
+    ]
     assert re.search(r"jsbp.launch: consequences: rank 0 (exited|failed) with code 1", err) or (
         "stopped by the launcher: rank(s) 0" in err
     ), err[-3000:]

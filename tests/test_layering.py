@@ -98,10 +98,15 @@ def module_edges(path: pathlib.Path, modules, src: str | None = None) -> set[str
         names = []
         if isinstance(node, ast.ImportFrom):
             base = resolve(me, is_pkg, node.level, node.module)
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+            ]
         else:
-            names = [n for line, n in imported_names(path, ast.unparse(node))] if isinstance(
-                node, (ast.Import, ast.Call)) else []
+            names = (
+                [n for line, n in imported_names(path, ast.unparse(node))]
+                if isinstance(node, (ast.Import, ast.Call))
+                else []
+            )
         for n in names:
             while n and n not in modules:
                 n = n.rpartition(".")[0]
@@ -172,7 +177,8 @@ def test_no_import_circle():
     circles = [c for c in import_circles(import_graph()) if not set(c) <= PLANNING]
     assert not circles, (
         "import circles in jsbp/ (a module imports, maybe inside a function, a module that imports "
-        "it): " + "; ".join(" <-> ".join(c) for c in circles)
+        "it): "
+        + "; ".join(" <-> ".join(c) for c in circles)
         + ". Move what both need into the lower module, or let the lower one register a hook."
     )
 
@@ -189,11 +195,16 @@ def test_circle_finder_sees_function_level_imports():
     assert any({"jsbp.flax._auto", "jsbp.flax._strategy"} <= set(c) for c in circles)
     assert ["jsbp.pipeline._schedule", "jsbp.pipeline._timeline"] in circles
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}, "e": {"a"}}) == [
-        ["a", "b", "c"], ["d"]]
+        ["a", "b", "c"],
+        ["d"],
+    ]
     # `from . import _sbp` is an edge to the module, `from .._tensor import tensor` to _tensor,
     # never to the package __init__ (which imports everything)
-    edges = module_edges(PKG / "flax" / "_probe.py", {"jsbp", "jsbp._sbp", "jsbp._tensor"},
-                         "from .. import _sbp\nfrom .._tensor import tensor\n")
+    edges = module_edges(
+        PKG / "flax" / "_probe.py",
+        {"jsbp", "jsbp._sbp", "jsbp._tensor"},
+        "from .. import _sbp\nfrom .._tensor import tensor\n",
+    )
     assert edges == {"jsbp._sbp", "jsbp._tensor"}
 
 

@@ -42,7 +42,9 @@ def _loss(model, batch):
 
 def _params(model):
     return {
-        k: np.asarray(v.get_value().numpy() if isinstance(v.get_value(), jsbp.GlobalTensor) else v.get_value())
+        k: np.asarray(
+            v.get_value().numpy() if isinstance(v.get_value(), jsbp.GlobalTensor) else v.get_value()
+        )
         for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
     }
 
@@ -74,7 +76,9 @@ def test_minigpt_trains_like_one_device(name):
     model, opt = jflax.shard((model, opt), strategy)
     # the tutorial's metadata is read as layouts: P(None, 'model') kernels split over 'model'
     lay = jflax.layouts(model)
-    assert lay["output_layer/kernel"].endswith("S(1))") and lay["transformer_blocks/layers/0/layer_norm1/scale"].endswith("S(0))")
+    assert lay["output_layer/kernel"].endswith("S(1))") and lay[
+        "transformer_blocks/layers/0/layer_norm1/scale"
+    ].endswith("S(0))")
     step = jflax.make_train_step(_loss, strategy)
     before = len(_interop.UNTYPED)
     losses = [float(step(model, opt, mg.batch(i))) for i in range(STEPS)]
@@ -107,5 +111,10 @@ def test_minigpt_data_parallel_moves_only_the_gradients():
     model, opt = jflax.shard((model, opt), strategy)
     step = jflax.make_train_step(_loss, strategy)
     counts = step.count_collectives(model, opt, mg.batch(0))
-    assert counts == {"all-gather": 0, "all-reduce": 1, "reduce-scatter": 0, "all-to-all": 0,
-                      "collective-permute": 0}, counts
+    assert counts == {
+        "all-gather": 0,
+        "all-reduce": 1,
+        "reduce-scatter": 0,
+        "all-to-all": 0,
+        "collective-permute": 0,
+    }, counts

@@ -17,9 +17,14 @@ P8 = jsbp.placement("cpu", list(range(8)))
 
 
 def _globals(tree, layout_of):
-    paths = {kp: jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    paths = {
+        kp: jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
     return jax.tree_util.tree_map_with_path(
-        lambda kp, v: jsbp.tensor(np.asarray(v), placement=P8, sbp=layout_of(paths[kp], np.asarray(v))), tree
+        lambda kp, v: jsbp.tensor(
+            np.asarray(v), placement=P8, sbp=layout_of(paths[kp], np.asarray(v))
+        ),
+        tree,
     )
 
 
@@ -115,7 +120,11 @@ def _moe_case(top_k=2, n_experts=8, d=8, hidden=16, tokens=32):
         h = jax.nn.gelu(jnp.einsum("td,edh->teh", x, p["w_in"]))
         out_all = jnp.einsum("teh,ehd->ted", h, p["w_out"])  # every expert on every token
         picked = jnp.stack(
-            [jnp.take_along_axis(out_all, experts[:, j, None, None], axis=1)[:, 0] for j in range(top_k)], axis=1
+            [
+                jnp.take_along_axis(out_all, experts[:, j, None, None], axis=1)[:, 0]
+                for j in range(top_k)
+            ],
+            axis=1,
         )  # (tokens, k, d)
         return jnp.einsum("tk,tkd->td", weights, picked)
 
@@ -138,4 +147,6 @@ def test_top_k_moe_layer(strategy):
     loss, grads = jsbp.jit(step, strict=True)(gp, gx)
     np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-5)
     _close(grads, ref_grads, rtol=1e-4, atol=1e-6)
-    assert jsbp.explain(step, gp, gx).collectives() == jsbp.debug.count_collectives(jsbp.jit(step), gp, gx)
+    assert jsbp.explain(step, gp, gx).collectives() == jsbp.debug.count_collectives(
+        jsbp.jit(step), gp, gx
+    )

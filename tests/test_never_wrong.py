@@ -23,7 +23,10 @@ def t(value, plc=P4, sbp="B", **kw):
 
 
 def leaves(tree):
-    return [np.asarray(x.numpy()) for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor))]
+    return [
+        np.asarray(x.numpy())
+        for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor))
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,14 +51,23 @@ def test_a_user_helper_called_on_two_values():
     np.testing.assert_allclose(out.numpy(), (2 * av + 1) * X16 + (2 * bv + 1) * X16)
 
 
-@pytest.mark.parametrize("name", ["var", "std", "norm", "standardize", "log_sigmoid_P", "nan_to_num", "hard_tanh"])
+@pytest.mark.parametrize(
+    "name", ["var", "std", "norm", "standardize", "log_sigmoid_P", "nan_to_num", "hard_tanh"]
+)
 def test_library_helpers_called_twice(name):
     rng = np.random.default_rng(0)
-    av, bv = rng.standard_normal((6, 5)).astype(np.float32), 3 * rng.standard_normal((6, 5)).astype(np.float32)
+    av, bv = (
+        rng.standard_normal((6, 5)).astype(np.float32),
+        3 * rng.standard_normal((6, 5)).astype(np.float32),
+    )
     fn = {
-        "var": jnp.var, "std": jnp.std, "norm": jnp.linalg.norm,
+        "var": jnp.var,
+        "std": jnp.std,
+        "norm": jnp.linalg.norm,
         "standardize": lambda v: jax.nn.standardize(v, axis=0),
-        "log_sigmoid_P": jax.nn.log_sigmoid, "nan_to_num": jnp.nan_to_num, "hard_tanh": jax.nn.hard_tanh,
+        "log_sigmoid_P": jax.nn.log_sigmoid,
+        "nan_to_num": jnp.nan_to_num,
+        "hard_tanh": jax.nn.hard_tanh,
     }[name]
     sb = "P" if name.endswith("_P") else "S(0)"
     a = t(av, sbp="B").to_global(sbp=sb) if sb == "P" else t(av, sbp=sb)
@@ -70,7 +82,9 @@ def test_two_bernoulli_draws_are_two_draws():
     x = t(np.ones((8, 4), np.float32), sbp="S(0)")
 
     def f(x, k1, k2):
-        return x * jax.random.bernoulli(k1, 0.5, x.shape), x * jax.random.bernoulli(k2, 0.5, x.shape)
+        return x * jax.random.bernoulli(k1, 0.5, x.shape), x * jax.random.bernoulli(
+            k2, 0.5, x.shape
+        )
 
     ref = [np.asarray(r) for r in f(jnp.ones((8, 4)), k1, k2)]
     got = leaves(jsbp.jit(lambda x: f(x, k1, k2))(x))
@@ -101,27 +115,41 @@ def test_two_dropout_layers_under_data_parallelism():
 # 2. implicit rank-equal broadcasting: (4, 4) * (4, 1) is one `mul`
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("plc,layouts", [
-    (P4, ["S(0)", "S(1)", "B", "P"]),
-    (Q22, [("S(0)", "S(1)"), ("S(1)", "S(1)"), ("S(1)", "B"), ("B", "S(0)"), ("P", "S(1)")]),
-])
+
+@pytest.mark.parametrize(
+    "plc,layouts",
+    [
+        (P4, ["S(0)", "S(1)", "B", "P"]),
+        (Q22, [("S(0)", "S(1)"), ("S(1)", "S(1)"), ("S(1)", "B"), ("B", "S(0)"), ("P", "S(1)")]),
+    ],
+)
 def test_size_one_dims_broadcast_exactly(plc, layouts):
     xv = np.arange(20.0, dtype=np.float32).reshape(4, 5)
-    cols, rows = np.arange(1.0, 5.0, dtype=np.float32).reshape(4, 1), np.arange(5.0, dtype=np.float32).reshape(1, 5)
+    cols, rows = (
+        np.arange(1.0, 5.0, dtype=np.float32).reshape(4, 1),
+        np.arange(5.0, dtype=np.float32).reshape(1, 5),
+    )
     for a in layouts:
         for b in layouts:
             for other in (cols, rows):
                 x = t(xv, plc, "B").to_global(sbp=a)
                 y = t(other, plc, "B").to_global(sbp=b)
-                np.testing.assert_allclose(jsbp.jit(lambda u, v: u * v)(x, y).numpy(), xv * other, err_msg=f"{a} {b}")
-                np.testing.assert_allclose(jsbp.jit(lambda u, v: u - v)(x, y).numpy(), xv - other, err_msg=f"{a} {b}")
+                np.testing.assert_allclose(
+                    jsbp.jit(lambda u, v: u * v)(x, y).numpy(), xv * other, err_msg=f"{a} {b}"
+                )
+                np.testing.assert_allclose(
+                    jsbp.jit(lambda u, v: u - v)(x, y).numpy(), xv - other, err_msg=f"{a} {b}"
+                )
     # and eagerly
-    np.testing.assert_allclose((t(xv, plc, layouts[0]) * t(cols, plc, layouts[1])).numpy(), xv * cols)
+    np.testing.assert_allclose(
+        (t(xv, plc, layouts[0]) * t(cols, plc, layouts[1])).numpy(), xv * cols
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # 3. dtypes survive boxing (bool used to come back int32 on 2-d placements)
 # ---------------------------------------------------------------------------------------------
+
 
 def test_bool_boxing_on_a_2d_placement_keeps_bool():
     bv = np.array([[True, False, True], [False, True, False], [True, True, False]])
@@ -145,6 +173,7 @@ def test_partial_bool_reduces_as_logical_or():
 # ---------------------------------------------------------------------------------------------
 # 4. caches key constants by type and sign of zero, never by equality alone
 # ---------------------------------------------------------------------------------------------
+
 
 def test_eager_cache_tells_false_from_zero():
     x = t(np.arange(24.0, dtype=np.float32).reshape(2, 4, 3), sbp="S(1)")
@@ -185,13 +214,18 @@ def test_python_scalar_arguments_are_weakly_typed():
     h = t(np.arange(4, dtype=np.float16), sbp="S(0)")
     i8 = t(np.arange(4, dtype=np.int8), sbp="S(0)")
     f = jsbp.jit(lambda a, c: a * c)
-    assert f(h, 2.0).dtype == jax.jit(lambda a, c: a * c)(jnp.ones(4, jnp.float16), 2.0).dtype == np.float16
+    assert (
+        f(h, 2.0).dtype
+        == jax.jit(lambda a, c: a * c)(jnp.ones(4, jnp.float16), 2.0).dtype
+        == np.float16
+    )
     assert f(i8, 2).dtype == np.int8
 
 
 # ---------------------------------------------------------------------------------------------
 # 5. Python protocols behave as on a jax.Array
 # ---------------------------------------------------------------------------------------------
+
 
 def test_truth_values():
     assert bool(t([False])) is False
@@ -249,14 +283,22 @@ def test_truth_of_a_tracer_says_what_to_do():
 # 6. zero-size values through collectives
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("plc,sbp", [(P4, "S(0)"), (P4, "B"), (Q22, ("S(0)", "S(0)")), (Q22, ("B", "S(0)"))])
+
+@pytest.mark.parametrize(
+    "plc,sbp", [(P4, "S(0)"), (P4, "B"), (Q22, ("S(0)", "S(0)")), (Q22, ("B", "S(0)"))]
+)
 def test_zero_size_values(plc, sbp):
     z, z2 = np.zeros((0,), np.float32), np.zeros((0, 3), np.float32)
     a, b = t(z, plc, sbp), t(z2, plc, sbp)
     cases = [
-        (jnp.var, a), (lambda v: (jnp.mean(v), jnp.mean(v * 2)), a), (lambda v: jnp.dot(v, v), a),
-        (jax.nn.softmax, b), (jnp.linalg.norm, b), (lambda v: jnp.einsum("ij,ij->j", v, v), b),
-        (lambda v: v.sum(0), b), (lambda v: jnp.max(v, axis=1), b),
+        (jnp.var, a),
+        (lambda v: (jnp.mean(v), jnp.mean(v * 2)), a),
+        (lambda v: jnp.dot(v, v), a),
+        (jax.nn.softmax, b),
+        (jnp.linalg.norm, b),
+        (lambda v: jnp.einsum("ij,ij->j", v, v), b),
+        (lambda v: v.sum(0), b),
+        (lambda v: jnp.max(v, axis=1), b),
     ]
     for fn, arg in cases:
         ref = [np.asarray(r) for r in jax.tree_util.tree_leaves(fn(jnp.asarray(arg.numpy())))]
@@ -271,15 +313,30 @@ def test_zero_size_values(plc, sbp):
 # 7. bfloat16 / complex reductions
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.complex64, np.int8, np.uint8, np.bool_])
-@pytest.mark.parametrize("plc,sbp", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("S(1)", "S(1)"))])
+
+@pytest.mark.parametrize(
+    "dtype", [ml_dtypes.bfloat16, np.float16, np.complex64, np.int8, np.uint8, np.bool_]
+)
+@pytest.mark.parametrize(
+    "plc,sbp", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("S(1)", "S(1)"))]
+)
 def test_reductions_in_every_dtype(dtype, plc, sbp):
     rng = np.random.default_rng(0)
     v = rng.standard_normal((7, 5)) * 10
-    v = (v > 0) if dtype is np.bool_ else (v + 1j * rng.standard_normal((7, 5)) if dtype is np.complex64 else v).astype(dtype)
+    v = (
+        (v > 0)
+        if dtype is np.bool_
+        else (v + 1j * rng.standard_normal((7, 5)) if dtype is np.complex64 else v).astype(dtype)
+    )
     x = t(v, plc, sbp)
-    fns = {"max": jnp.max, "min": jnp.min, "max0": lambda a: jnp.max(a, 0), "sum1": lambda a: jnp.sum(a, 1),
-           "argmax": jnp.argmax, "softmax": jax.nn.softmax}
+    fns = {
+        "max": jnp.max,
+        "min": jnp.min,
+        "max0": lambda a: jnp.max(a, 0),
+        "sum1": lambda a: jnp.sum(a, 1),
+        "argmax": jnp.argmax,
+        "softmax": jax.nn.softmax,
+    }
     low = dtype in (ml_dtypes.bfloat16, np.float16)
     for name, fn in fns.items():
         try:
@@ -289,7 +346,9 @@ def test_reductions_in_every_dtype(dtype, plc, sbp):
         got = jsbp.jit(fn)(x).numpy()
         assert got.dtype == ref.dtype, name
         if low:  # float16 / bfloat16: the order of summation rounds differently
-            np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-2, err_msg=name)
+            np.testing.assert_allclose(
+                got.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-2, err_msg=name
+            )
         else:
             np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=name)
 
@@ -297,6 +356,7 @@ def test_reductions_in_every_dtype(dtype, plc, sbp):
 # ---------------------------------------------------------------------------------------------
 # 8. creation: overflow and shapes no device can hold raise first
 # ---------------------------------------------------------------------------------------------
+
 
 def test_integers_that_do_not_fit_raise():
     with pytest.raises(jsbp.SbpError, match="does not fit int32"):
@@ -307,7 +367,9 @@ def test_integers_that_do_not_fit_raise():
         jsbp.tensor([300], placement=P4, sbp="B", dtype=np.int8)
     with pytest.raises(jsbp.SbpError, match="does not fit int8"):
         jsbp.arange(200, placement=P4, sbp="S(0)", dtype=np.int8)
-    np.testing.assert_array_equal(jsbp.tensor([2**31 - 1, -(2**31)], placement=P4, sbp="B").numpy(), [2**31 - 1, -(2**31)])
+    np.testing.assert_array_equal(
+        jsbp.tensor([2**31 - 1, -(2**31)], placement=P4, sbp="B").numpy(), [2**31 - 1, -(2**31)]
+    )
 
 
 def test_shapes_no_device_can_hold_raise():
@@ -325,12 +387,23 @@ def test_shapes_no_device_can_hold_raise():
 # the net for class 3: random dtypes boxed between random layouts on 2-d and 3-d placements
 # ---------------------------------------------------------------------------------------------
 
+
 def test_every_dtype_survives_boxing_between_random_layouts():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    dtypes = [np.bool_, np.int8, np.uint8, np.int16, np.int32, np.uint32, np.float16, ml_dtypes.bfloat16,
-              np.float32, np.complex64]
+    dtypes = [
+        np.bool_,
+        np.int8,
+        np.uint8,
+        np.int16,
+        np.int32,
+        np.uint32,
+        np.float16,
+        ml_dtypes.bfloat16,
+        np.float32,
+        np.complex64,
+    ]
 
     @st.composite
     def cases(draw):
@@ -341,14 +414,21 @@ def test_every_dtype_survives_boxing_between_random_layouts():
         dst = tuple(draw(one) for _ in range(plc.ndim))
         return plc, shape, draw(st.sampled_from(dtypes)), src, dst, draw(st.integers(0, 2**16))
 
-    @settings(max_examples=int(__import__("os").environ.get("JSBP_HYPOTHESIS_EXAMPLES", "40")), deadline=None,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=int(__import__("os").environ.get("JSBP_HYPOTHESIS_EXAMPLES", "40")),
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(cases())
     def check(case):
         plc, shape, dtype, src, dst, seed = case
         rng = np.random.default_rng(seed)
         raw = rng.integers(-50, 50, size=shape)
-        v = (raw > 0) if dtype is np.bool_ else (np.abs(raw) if np.dtype(dtype).kind == "u" else raw).astype(dtype)
+        v = (
+            (raw > 0)
+            if dtype is np.bool_
+            else (np.abs(raw) if np.dtype(dtype).kind == "u" else raw).astype(dtype)
+        )
         x = t(v, plc, "B").to_global(sbp=src)
         y = x.to_global(sbp=dst)
         assert y.dtype == np.dtype(dtype), (src, dst, y.dtype)
@@ -366,7 +446,7 @@ def test_from_local_takes_bfloat16_and_float8_locals():
     """numpy files bfloat16 under the kind letter 'V': from_local must still read it as numeric."""
     for dt in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
         v = np.arange(12, dtype=np.float32).reshape(4, 3).astype(dt)
-        x = jsbp.from_local([v[i:i + 1] for i in range(4)], placement=P4, sbp="S(0)")
+        x = jsbp.from_local([v[i : i + 1] for i in range(4)], placement=P4, sbp="S(0)")
         assert x.dtype == np.dtype(dt)
         np.testing.assert_array_equal(x.numpy(), v)
         assert jsbp.full((2,), np.asarray(1.5, dt), placement=P4, sbp="B").dtype == np.dtype(dt)
@@ -376,17 +456,25 @@ def test_from_local_takes_bfloat16_and_float8_locals():
 # NaN through a partial max / min (XLA:CPU's max all-reduce dropped it)
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 def test_nan_survives_the_reduction_of_a_partial_max(dtype):
     v = np.arange(32.0).reshape(8, 4).astype(dtype)
     v[0, 1] = np.nan
     v[5, 3] = -np.inf
     x = t(v, sbp="S(0)")
-    ref_max, ref_min = np.asarray(jnp.max(jnp.asarray(v), 0)), np.asarray(jnp.min(jnp.asarray(v), 0))
+    ref_max, ref_min = (
+        np.asarray(jnp.max(jnp.asarray(v), 0)),
+        np.asarray(jnp.min(jnp.asarray(v), 0)),
+    )
     # reduced inside the program (all-reduce of Pmax / Pmin), not on read
-    got = jsbp.jit(lambda a: (jnp.isnan(jnp.max(a, 0)), jnp.max(a, 0, keepdims=True) * 1, jnp.min(a, 0) + 0),
-                   out_sbp="B")(x)
-    f32 = lambda a: np.asarray(a).astype(np.float32)  # numpy's NaN == NaN check needs a float it knows
+    got = jsbp.jit(
+        lambda a: (jnp.isnan(jnp.max(a, 0)), jnp.max(a, 0, keepdims=True) * 1, jnp.min(a, 0) + 0),
+        out_sbp="B",
+    )(x)
+    f32 = lambda a: np.asarray(a).astype(
+        np.float32
+    )  # numpy's NaN == NaN check needs a float it knows
     np.testing.assert_array_equal(got[0].numpy(), np.isnan(f32(ref_max)))
     np.testing.assert_array_equal(f32(got[1].numpy()[0]), f32(ref_max))
     np.testing.assert_array_equal(f32(got[2].numpy()), f32(ref_min))
@@ -399,7 +487,9 @@ def test_nan_survives_the_reduction_of_a_partial_max(dtype):
 
 
 @pytest.mark.parametrize("fn", [jnp.argmax, jnp.argmin])
-@pytest.mark.parametrize("plc,sbp", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("S(1)", "S(1)"))])
+@pytest.mark.parametrize(
+    "plc,sbp", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("S(1)", "S(1)"))]
+)
 def test_arg_extrema_over_a_split_dim(fn, plc, sbp):
     """argmax / argmin over a split dim: exact (ties: first index; NaN counts as the extremum;
     bool and ints) without gathering the operand."""
@@ -419,7 +509,9 @@ def test_arg_extrema_over_a_split_dim(fn, plc, sbp):
     assert counts["all-gather"] == 0 and counts["all-to-all"] == 0
 
 
-@pytest.mark.parametrize("plc,sbp", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("S(0)", "S(0)"))])
+@pytest.mark.parametrize(
+    "plc,sbp", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("S(0)", "S(0)"))]
+)
 def test_cumulative_ops_over_an_evenly_split_dim(plc, sbp):
     """cumsum / cumprod / cummax / cummin (forward and reverse) along a split dim: each block
     scans itself and only the block totals move."""
@@ -427,16 +519,23 @@ def test_cumulative_ops_over_an_evenly_split_dim(plc, sbp):
 
     rng = np.random.default_rng(7)
     ops = [
-        lambda a, d: jnp.cumsum(a, axis=d), lambda a, d: lax.cumsum(a, axis=d, reverse=True),
-        lambda a, d: jnp.cumprod(a, axis=d), lambda a, d: lax.cummax(a, axis=d),
+        lambda a, d: jnp.cumsum(a, axis=d),
+        lambda a, d: lax.cumsum(a, axis=d, reverse=True),
+        lambda a, d: jnp.cumprod(a, axis=d),
+        lambda a, d: lax.cummax(a, axis=d),
         lambda a, d: lax.cummin(a, axis=d, reverse=True),
     ]
-    for v in (rng.integers(-3, 4, size=(8, 12)).astype(np.int32), rng.uniform(0.5, 1.5, (8, 12)).astype(np.float32)):
+    for v in (
+        rng.integers(-3, 4, size=(8, 12)).astype(np.int32),
+        rng.uniform(0.5, 1.5, (8, 12)).astype(np.float32),
+    ):
         x = t(v, plc, sbp)
         for op in ops:
             for d in (0, 1):
                 f = lambda a, op=op, d=d: op(a, d)
-                np.testing.assert_allclose(jsbp.jit(f)(x).numpy(), np.asarray(f(jnp.asarray(v))), rtol=1e-5)
+                np.testing.assert_allclose(
+                    jsbp.jit(f)(x).numpy(), np.asarray(f(jnp.asarray(v))), rtol=1e-5
+                )
     if plc is P4:  # a long split dim: one small collective of the totals, no gather of the operand
         big = t(rng.standard_normal((512, 16)).astype(np.float32), plc, "S(0)")
         f = lambda a: jnp.tanh(jnp.cumsum(a, axis=0))
@@ -445,7 +544,9 @@ def test_cumulative_ops_over_an_evenly_split_dim(plc, sbp):
         assert jsbp.explain(f, big).total_bytes_per_device < 512 * 16 * 4 / 8
 
 
-@pytest.mark.parametrize("plc,sbp", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("S(0)", "S(0)"))])
+@pytest.mark.parametrize(
+    "plc,sbp", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")), (Q22, ("S(0)", "S(0)"))]
+)
 def test_products_and_logical_reductions_over_an_evenly_split_dim(plc, sbp):
     """reduce_prod / and / or / xor over split dims (alone or with others): each block reduces
     itself, only the per-block results move."""
@@ -457,8 +558,10 @@ def test_products_and_logical_reductions_over_an_evenly_split_dim(plc, sbp):
     vb = rng.random((8, 4, 6)) < 0.8
     for axes in ((0,), (1,), (0, 1), (1, 2), (0, 2)):
         for f, v in (
-            (lambda a, ax=axes: jnp.prod(a, axis=ax), vf), (lambda a, ax=axes: jnp.prod(a, axis=ax), vi),
-            (lambda a, ax=axes: jnp.any(a, axis=ax), vb), (lambda a, ax=axes: jnp.all(a, axis=ax), vb),
+            (lambda a, ax=axes: jnp.prod(a, axis=ax), vf),
+            (lambda a, ax=axes: jnp.prod(a, axis=ax), vi),
+            (lambda a, ax=axes: jnp.any(a, axis=ax), vb),
+            (lambda a, ax=axes: jnp.all(a, axis=ax), vb),
             (lambda a, ax=axes: lax.reduce_xor(a, ax), vi),
         ):
             ref = np.asarray(f(jnp.asarray(v)))

@@ -33,7 +33,9 @@ SHAPES = [(8, 4), (7, 3), (3, 5)]
 def _grid(hier, shape):
     """(4,) for every shape and (2, 2) for the uneven (7, 3) by default; the rest is ``slow``."""
     slow = hier == "2x2" and shape != (7, 3)
-    return pytest.param(hier, shape, marks=pytest.mark.slow if slow else (), id=f"{hier}-{shape[0]}x{shape[1]}")
+    return pytest.param(
+        hier, shape, marks=pytest.mark.slow if slow else (), id=f"{hier}-{shape[0]}x{shape[1]}"
+    )
 
 
 GRID = [_grid(h, s) for h in ("4", "2x2") for s in SHAPES]
@@ -73,7 +75,11 @@ def test_half_partial_reads_as_one_device_everywhere(dtype):
     """float16: 60000 + 60000 - 60000 - 60000 is 0 on one device (float32 accumulation), ``inf``
     summed in float16. bfloat16: 256 + 1 - 256 + 1 is 2 on one device, 1 summed in bfloat16 in
     any order. Every read path gives one device's answer."""
-    vals = (60000.0, 60000.0, -60000.0, -60000.0) if dtype == jnp.float16 else (256.0, 1.0, -256.0, 1.0)
+    vals = (
+        (60000.0, 60000.0, -60000.0, -60000.0)
+        if dtype == jnp.float16
+        else (256.0, 1.0, -256.0, 1.0)
+    )
     addends = [np.full((4,), v, dtype) for v in vals]
     x = _partial(addends, P1(), "P")
     want = _exact_sum(addends, dtype)
@@ -85,12 +91,17 @@ def test_half_partial_reads_as_one_device_everywhere(dtype):
         else:
             want_p = want[: got.size].reshape(got.shape)
         assert got.dtype == np.dtype(dtype), path
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want_p, np.float32), err_msg=path)
+        np.testing.assert_array_equal(
+            np.asarray(got, np.float32), np.asarray(want_p, np.float32), err_msg=path
+        )
     assert x.dtype == np.dtype(dtype) and x.to_global(sbp="B").dtype == np.dtype(dtype)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)],
-                         ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype",
+    [jnp.float16, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)],
+    ids=["float16", "bfloat16"],
+)
 @pytest.mark.parametrize("hier,shape", [_grid(h, s) for h in ("4", "2x2") for s in SHAPES[:2]])
 def test_half_partial_sums_round_once_for_every_conversion(dtype, hier, shape):
     """Random addends whose pairwise 16-bit sums round differently from one float32 sum: every
@@ -105,7 +116,9 @@ def test_half_partial_sums_round_once_for_every_conversion(dtype, hier, shape):
     if True:
         for src in srcs:
             value = rng.standard_normal(shape).astype(np.float32) * 3
-            x0 = jsbp.tensor(value.astype(dtype), placement=plc, sbp=tuple("B" if s == "P" else s for s in src))
+            x0 = jsbp.tensor(
+                value.astype(dtype), placement=plc, sbp=tuple("B" if s == "P" else s for s in src)
+            )
             # addends: the value split into n unequal pieces, each rounded to ``dtype``
             n = np.prod([plc.hierarchy[a] for a, s in enumerate(src) if s == "P"])
             pieces = [(value * w).astype(dtype) for w in rng.dirichlet(np.ones(n))]
@@ -121,7 +134,9 @@ def test_half_partial_sums_round_once_for_every_conversion(dtype, hier, shape):
             for dst in dsts:
                 y = x.to_global(sbp=dst)
                 assert y.dtype == np.dtype(dtype)
-                np.testing.assert_array_equal(_bits(y.numpy()), _bits(full), err_msg=f"{src}->{dst} {shape}")
+                np.testing.assert_array_equal(
+                    _bits(y.numpy()), _bits(full), err_msg=f"{src}->{dst} {shape}"
+                )
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
@@ -164,8 +179,6 @@ def _sb(ndim):
     return list(itertools.product(["S(0)", "S(1)", "B"], repeat=ndim))
 
 
-
-
 @pytest.mark.parametrize("hier,shape", GRID)
 def test_negative_zero_survives_every_boxing(hier, shape):
     """Every (src, dst) pair of S / B layouts, even and uneven shapes: the sign bit of every
@@ -179,7 +192,9 @@ def test_negative_zero_survives_every_boxing(hier, shape):
             np.testing.assert_array_equal(np.signbit(x.numpy()), np.signbit(v))
             for dst in _sb(plc.ndim):
                 y = x.to_global(sbp=dst)
-                np.testing.assert_array_equal(np.signbit(y.numpy()), np.signbit(v), err_msg=f"{src}->{dst} {shape}")
+                np.testing.assert_array_equal(
+                    np.signbit(y.numpy()), np.signbit(v), err_msg=f"{src}->{dst} {shape}"
+                )
 
 
 def test_bit_exact_boxing_keeps_its_one_collective():
@@ -209,9 +224,15 @@ def test_max_min_of_signed_zeros_over_a_split_dim(hier, shape, red):
             for axis in (0, 1):
                 want = np.asarray(getattr(jnp, red)(jnp.asarray(v), axis))
                 got = getattr(x, red)(axis)
-                np.testing.assert_array_equal(np.signbit(got.numpy()), np.signbit(want), err_msg=f"{src} {axis}")
-                jitted = jsbp.jit(lambda t, axis=axis: getattr(jnp, red)(t, axis), out_sbp=("B",) * plc.ndim)(x)
-                np.testing.assert_array_equal(np.signbit(jitted.numpy()), np.signbit(want), err_msg=f"jit {src} {axis}")
+                np.testing.assert_array_equal(
+                    np.signbit(got.numpy()), np.signbit(want), err_msg=f"{src} {axis}"
+                )
+                jitted = jsbp.jit(
+                    lambda t, axis=axis: getattr(jnp, red)(t, axis), out_sbp=("B",) * plc.ndim
+                )(x)
+                np.testing.assert_array_equal(
+                    np.signbit(jitted.numpy()), np.signbit(want), err_msg=f"jit {src} {axis}"
+                )
 
 
 def test_partial_max_min_numpy_reads_in_total_order():
@@ -224,7 +245,9 @@ def test_partial_max_min_numpy_reads_in_total_order():
     for red in ("max", "min"):
         p = getattr(x, red)(0)
         assert p.sbp == ((sbp.partial_max if red == "max" else sbp.partial_min),)
-        np.testing.assert_array_equal(np.signbit(p.numpy()), np.signbit(p.to_global(sbp="B").numpy()))
+        np.testing.assert_array_equal(
+            np.signbit(p.numpy()), np.signbit(p.to_global(sbp="B").numpy())
+        )
         np.testing.assert_array_equal(np.signbit(p.numpy()), red == "min")
     v = np.ones((4, 3), np.float32)
     v[2, 1] = np.nan
@@ -268,6 +291,8 @@ def test_creation_defaults_follow_jnp_under_x64():
             print(x64, "BAD" if bad else "OK", bad)
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "OK", "[]", "True", "OK", "[]"], out.stdout

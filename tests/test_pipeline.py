@@ -268,8 +268,13 @@ class NoisyBlock(nnx.Module):
     def __init__(self, rngs):
         # no bias before the BatchNorm: its gradient is zero up to rounding, which adam would
         # turn into steps of the learning rate's size (noise, not a layout difference)
-        self.fc = nnx.Linear(D, D, use_bias=False, rngs=rngs,
-                             kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")))
+        self.fc = nnx.Linear(
+            D,
+            D,
+            use_bias=False,
+            rngs=rngs,
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")),
+        )
         self.bn = nnx.BatchNorm(D, momentum=0.8, rngs=rngs)
         self.drop = nnx.Dropout(0.25, rngs=rngs)
 
@@ -322,8 +327,16 @@ def test_dropout_and_batchnorm_in_stages_match_one_device(topology, schedule, re
     with nnx.use_eager_sharding(False):
         model = Model(0, NoisyBlock)
     placements = jpp.stage_placements(cfg["p"], axes=cfg["axes"]) if "axes" in cfg else None
-    pipe = jpp.Pipeline(model.stages(cfg["p"]), loss_fn, TX, microbatches=m, schedule=schedule,
-                        placements=placements, logical_axes=cfg["logical_axes"], remat=remat)
+    pipe = jpp.Pipeline(
+        model.stages(cfg["p"]),
+        loss_fn,
+        TX,
+        microbatches=m,
+        schedule=schedule,
+        placements=placements,
+        logical_axes=cfg["logical_axes"],
+        remat=remat,
+    )
     losses = [pipe.step(*batch(i)) for i in range(steps)]
     pipe.write_back()
     ref_losses, ref = _noisy_reference(m, steps)
@@ -332,8 +345,10 @@ def test_dropout_and_batchnorm_in_stages_match_one_device(topology, schedule, re
     assert got.keys() == want.keys() and any("mean" in k for k in got)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
-    counts = {jflax.path_str(p): int(v.get_value())
-              for p, v in nnx.to_flat_state(nnx.state(model, nnx.RngCount))}
+    counts = {
+        jflax.path_str(p): int(v.get_value())
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.RngCount))
+    }
     assert counts and all(c == steps * m for c in counts.values()), counts
 
 
@@ -498,8 +513,11 @@ def test_stages_whose_shapes_do_not_chain_name_both_stages():
     pipe = jpp.Pipeline(
         [nnx.Linear(8, 12, rngs=r), nnx.Linear(12, 4, rngs=r)], loss, optax.sgd(0.1), microbatches=2
     )
-    with pytest.raises(jsbp.SbpError, match=r"stage 0 \(Linear\) cannot take the micro-batch inputs of "
-                       r"shape \(4, 6\) float32"):
+    with pytest.raises(
+        jsbp.SbpError,
+        match=r"stage 0 \(Linear\) cannot take the micro-batch inputs of "
+        r"shape \(4, 6\) float32",
+    ):
         pipe.step(np.ones((8, 6), np.float32), t)
     assert float(pipe.step(x, t)) > 0  # the right shapes still train
 

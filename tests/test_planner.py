@@ -27,7 +27,7 @@ def _captured(fn, args, monkeypatch, out_sbp=None):
     monkeypatch.setattr(_jit, "infer", lambda *a, **k: seen.append(a) or C.infer(*a, **k))
     jsbp.jit(fn, out_sbp=out_sbp).lower_program(*args)
     monkeypatch.undo()
-    (placement, jaxpr, consts, lays, out_nd), = seen
+    ((placement, jaxpr, consts, lays, out_nd),) = seen
     return placement, C._dce(jaxpr), consts, lays, out_nd
 
 
@@ -58,11 +58,19 @@ def _annotated_input(x, w, z):
 
 
 SMALL = {  # (function, arguments): a few equations, every combination of candidates enumerable
-    "1d": lambda: (_mlp, (gt(rand(8, 6), P4, "S(0)"), gt(rand(6, 4), P4, "S(1)"), gt(rand(4, 4), P4, "B"))),
-    "2d": lambda: (_layer, (gt(rand(8, 6), P2x2, ("S(0)", "B")), gt(rand(6, 4), P2x2, ("B", "S(1)")))),
+    "1d": lambda: (
+        _mlp,
+        (gt(rand(8, 6), P4, "S(0)"), gt(rand(6, 4), P4, "S(1)"), gt(rand(4, 4), P4, "B")),
+    ),
+    "2d": lambda: (
+        _layer,
+        (gt(rand(8, 6), P2x2, ("S(0)", "B")), gt(rand(6, 4), P2x2, ("B", "S(1)"))),
+    ),
     "pinned": lambda: (_pinned, (gt(rand(8, 2), P4, "S(0)"), gt(rand(2, 16), P4, "B"))),
-    "constant": lambda: (_annotated_input, (gt(rand(8, 6), P4, "S(0)"), gt(rand(6, 4), P4, "B"),
-                                            gt(rand(8, 4), P4, "S(0)"))),
+    "constant": lambda: (
+        _annotated_input,
+        (gt(rand(8, 6), P4, "S(0)"), gt(rand(6, 4), P4, "B"), gt(rand(8, 4), P4, "S(0)")),
+    ),
 }
 
 
@@ -81,14 +89,22 @@ def test_ilp_finds_the_exhaustive_optimum(case, joint, solver, monkeypatch):
     relaxed = []
     first = G._integral_relaxation
     if solver == "milp":
-        monkeypatch.setattr(G, "_integral_relaxation", lambda *a: relaxed.append(None) or (None, first(*a)[1]))
+        monkeypatch.setattr(
+            G, "_integral_relaxation", lambda *a: relaxed.append(None) or (None, first(*a)[1])
+        )
     else:
-        monkeypatch.setattr(G, "_integral_relaxation", lambda *a: relaxed.append(first(*a)[0]) or (relaxed[-1], 0.0))
+        monkeypatch.setattr(
+            G, "_integral_relaxation", lambda *a: relaxed.append(first(*a)[0]) or (relaxed[-1], 0.0)
+        )
     if case == "pinned":  # the case is there for its shared value: check that it has one
-        assert any(v.shared and len(v.uses) >= 2 and v.producer is not None for v in prob.values.values())
+        assert any(
+            v.shared and len(v.uses) >= 2 and v.producer is not None for v in prob.values.values()
+        )
     sizes = [len(n.cands) for n in prob.nodes]
     assert 1 < np.prod(sizes, dtype=float) < 3e5, sizes
-    best = min(G.objective(prob, list(c), hubs=False) for c in itertools.product(*map(range, sizes)))
+    best = min(
+        G.objective(prob, list(c), hubs=False) for c in itertools.product(*map(range, sizes))
+    )
     got = G.solve_ilp(prob)
     assert got is not None and len(relaxed) == 1
     assert G.objective(prob, got, hubs=False) == pytest.approx(best, rel=1e-9, abs=1e-6)
@@ -106,7 +122,9 @@ def test_branch_and_bound_only_where_the_relaxation_leaves_room(case, monkeypatc
 
     prob, _ = _problem(*SMALL[case](), monkeypatch)
     sizes = [len(n.cands) for n in prob.nodes]
-    best = min(G.objective(prob, list(c), hubs=False) for c in itertools.product(*map(range, sizes)))
+    best = min(
+        G.objective(prob, list(c), hubs=False) for c in itertools.product(*map(range, sizes))
+    )
     first = G._integral_relaxation
     monkeypatch.setattr(G, "_integral_relaxation", lambda *a: (None, first(*a)[1]))
     ran = []
@@ -139,7 +157,10 @@ def test_without_scipy_the_other_solvers_answer(monkeypatch):
 def test_descent_and_reduction_never_cost_more_than_their_start(case, monkeypatch):
     prob, prog = _problem(*SMALL[case](), monkeypatch)
     start = G._choice_of(prob, prog)
-    assert G.objective(prob, G.descend(prob, start), hubs=False) <= G.objective(prob, start, hubs=False) + 1e-6
+    assert (
+        G.objective(prob, G.descend(prob, start), hubs=False)
+        <= G.objective(prob, start, hubs=False) + 1e-6
+    )
     assert G.objective(prob, G.solve(prob, start)) <= G.objective(prob, start) + 1e-6
 
 
@@ -159,7 +180,9 @@ def test_by_axis_solves_each_axis_exactly(monkeypatch):
         return tuple(tuple(nd[axis] for nd in side) for side in sig)
 
     rng = np.random.default_rng(0)
-    starts = [G._choice_of(prob, prog)] + [[int(rng.integers(len(n.cands))) for n in prob.nodes] for _ in range(4)]
+    starts = [G._choice_of(prob, prog)] + [
+        [int(rng.integers(len(n.cands))) for n in prob.nodes] for _ in range(4)
+    ]
     gained = 0
     for start in starts:
         assert obj(G.by_axis(prob, start)) <= obj(start) + 1e-6
@@ -168,8 +191,10 @@ def test_by_axis_solves_each_axis_exactly(monkeypatch):
         gained += obj(got) < obj(start) - 1e-6
         for axis in range(2):
             other = 1 - axis
-            opts = [[s for s, sig in enumerate(n.cands) if on(sig, other) == on(n.cands[c], other)]
-                    for n, c in zip(prob.nodes, got)]
+            opts = [
+                [s for s, sig in enumerate(n.cands) if on(sig, other) == on(n.cands[c], other)]
+                for n, c in zip(prob.nodes, got)
+            ]
             assert any(len(o) > 1 for o in opts)
             best = min(obj(c) for c in itertools.product(*opts))
             assert obj(got) == pytest.approx(best, rel=1e-9, abs=1e-6), (axis, start)
@@ -183,15 +208,23 @@ def test_by_axis_starts_with_the_largest_axis(shape, first, monkeypatch):
     at the same plans (one sweep: two solves). Each
     sub-problem is recognised by the axis its candidates differ on; with every step skipped
     (``solve_ilp`` answers None) each axis is tried once per sweep, in that order."""
-    grid = jsbp.placement("cpu", np.arange(shape[0] * shape[1]).reshape(shape), axis_names=("a", "b"))
+    grid = jsbp.placement(
+        "cpu", np.arange(shape[0] * shape[1]).reshape(shape), axis_names=("a", "b")
+    )
     args = (gt(rand(8, 8), grid, ("S(0)", "B")), gt(rand(8, 8), grid, ("B", "S(1)")))
     prob, prog = _problem(_layer, args, monkeypatch)
     assert tuple(prob.hierarchy) == shape
     seen = []
 
     def spy(sub, **kw):
-        varies = [a for a in range(2) if any(len({tuple(nd[a] for nd in (*ins, *outs)) for ins, outs in n.cands}) > 1
-                                             for n in sub.nodes)]
+        varies = [
+            a
+            for a in range(2)
+            if any(
+                len({tuple(nd[a] for nd in (*ins, *outs)) for ins, outs in n.cands}) > 1
+                for n in sub.nodes
+            )
+        ]
         seen.append(varies)
         return None
 
@@ -203,8 +236,15 @@ def test_by_axis_starts_with_the_largest_axis(shape, first, monkeypatch):
 def test_model_matches_program_cost(monkeypatch):
     """The objective of the plan a pass made is that plan's ``program_cost`` (plus compute and the
     planner's small local-move charges): the model and the compiler agree on what moves."""
-    prob, prog = _problem(_mlp, (gt(rand(8, 6), P2x2, ("S(0)", "B")), gt(rand(6, 4), P2x2, ("B", "S(1)")),
-                                 gt(rand(4, 4), P2x2, ("B", "S(0)"))), monkeypatch)
+    prob, prog = _problem(
+        _mlp,
+        (
+            gt(rand(8, 6), P2x2, ("S(0)", "B")),
+            gt(rand(6, 4), P2x2, ("B", "S(1)")),
+            gt(rand(4, 4), P2x2, ("B", "S(0)")),
+        ),
+        monkeypatch,
+    )
     choice = G._choice_of(prob, prog)
     compute = sum(n.cost[c] for n, c in zip(prob.nodes, choice))
     model = G.objective(prob, choice, hubs=False) - compute
@@ -214,9 +254,12 @@ def test_model_matches_program_cost(monkeypatch):
 def test_readers_of_one_value_share_a_hub_conversion(monkeypatch):
     """A partial value read as (S(0), B) and as (B, B): one all-reduce to (B, B), the other sliced
     from it, not a reduce-scatter and an all-reduce."""
+
     def fn(x, w):
         y = x @ w  # (B, S(1)) @ (B, S(0)) -> (B, P)
-        return jnp.tanh(jsbp.to_global(y, sbp=("S(0)", "B"))), jnp.exp(jsbp.to_global(y, sbp=("B", "B")))
+        return jnp.tanh(jsbp.to_global(y, sbp=("S(0)", "B"))), jnp.exp(
+            jsbp.to_global(y, sbp=("B", "B"))
+        )
 
     xv, wv = rand(8, 6), rand(6, 4)
     args = (gt(xv, P2x2, ("B", "S(1)")), gt(wv, P2x2, ("B", "S(0)")))
@@ -272,7 +315,9 @@ def test_global_plan_costs_no_more_than_the_recorded_search(name, monkeypatch):
     recorded = json.loads(RECORDED.read_text())[f"tests {name}"]["cost"]
     fn, *_, args = _transformer_case(name)
     placement, jaxpr, consts, lays, out_nd = _captured(fn, args, monkeypatch)
-    assert C.program_cost(C._search(placement, jaxpr, consts, lays, out_nd)) == recorded  # the record is today's
+    assert (
+        C.program_cost(C._search(placement, jaxpr, consts, lays, out_nd)) == recorded
+    )  # the record is today's
     monkeypatch.setenv("JSBP_PLANNER", "global")
     assert C.program_cost(C.infer(placement, jaxpr, consts, lays, out_nd)) <= recorded
 
@@ -297,7 +342,11 @@ def test_global_plan_of_the_benchmark_gpt_step(monkeypatch):
     f = case.jsbp_fn()
     entry = f.lower_program(*case.jsbp_args())
     recorded = json.loads(RECORDED.read_text())
-    assert C.program_cost(entry.program) <= recorded["gpt DPxTP global"]["cost"] < recorded["gpt DPxTP"]["cost"]
+    assert (
+        C.program_cost(entry.program)
+        <= recorded["gpt DPxTP global"]["cost"]
+        < recorded["gpt DPxTP"]["cost"]
+    )
     assert sum(jsbp.debug.count_collectives(f, *case.jsbp_args()).values()) <= 29
 
 
@@ -362,7 +411,11 @@ def test_repeated_layers_are_solved_once(monkeypatch):
         q, of, _ = G.quotient(prob, G.roles(prob))
         assert len(q.nodes) == n_roles[n] and len(of) == len(prob.nodes)
         assert all(q.nodes[r].cands == prob.nodes[u].cands for u, r in enumerate(of))
-        assert sum(len(n_.cands) for n_ in prob.nodes) > G.ILP_MAX_VARS >= sum(len(n_.cands) for n_ in q.nodes)
+        assert (
+            sum(len(n_.cands) for n_ in prob.nodes)
+            > G.ILP_MAX_VARS
+            >= sum(len(n_.cands) for n_ in q.nodes)
+        )
     assert n_roles[6] == n_roles[4], n_roles
 
     placement, jaxpr, consts, lays, out_nd = captured[4]
@@ -412,7 +465,12 @@ def _zoo_step(name, layout):
 
 
 def _loop_bodies(prog):
-    return [sub for _, st in C.iter_steps(prog) if st.kind in ("scan", "while") for sub in C.subprograms(st)]
+    return [
+        sub
+        for _, st in C.iter_steps(prog)
+        if st.kind in ("scan", "while")
+        for sub in C.subprograms(st)
+    ]
 
 
 def test_global_planner_plans_loop_bodies(monkeypatch):
@@ -428,7 +486,9 @@ def test_global_planner_plans_loop_bodies(monkeypatch):
     the layouts at its boundary, cannot trade its boundary against the rest of the step.) Same
     loss as the search's plan, whose values ``test_model_zoo`` checks against one device; a second
     step reads the first update."""
-    monkeypatch.delenv("JSBP_PLANNER", raising=False)  # the search's plan (whatever the suite runs under)
+    monkeypatch.delenv(
+        "JSBP_PLANNER", raising=False
+    )  # the search's plan (whatever the suite runs under)
     search_fn, state, batch = _zoo_step("scan_mlp", "dp2tp4")
     search_prog = search_fn.lower_program(state, batch).program
     monkeypatch.setenv("JSBP_PLANNER", "global")
@@ -445,7 +505,9 @@ def test_global_planner_plans_loop_bodies(monkeypatch):
     s1, l1 = search_fn(state, batch)
     g1, m1 = global_fn(state, batch)
     np.testing.assert_allclose(m1.numpy(), l1.numpy(), rtol=1e-6)
-    np.testing.assert_allclose(global_fn(g1, batch)[1].numpy(), search_fn(s1, batch)[1].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(
+        global_fn(g1, batch)[1].numpy(), search_fn(s1, batch)[1].numpy(), rtol=1e-5
+    )
 
 
 def _use_planner(planner, monkeypatch):
@@ -466,6 +528,7 @@ def test_loop_carry_is_chosen_with_the_rest_of_the_program(rows, monkeypatch):
     the loop (B: an all-gather, as dear as keeping the carry B in its one iteration) and keeps B,
     then slices it for the split output: 1 all-gather. Chosen with the output's layout in view
     the carry stays split: none. Values match one device either way."""
+
     def f(c0, xs):
         return jax.lax.scan(lambda c, x: (c + x, None), c0, xs)[0]
 
@@ -481,16 +544,26 @@ def test_loop_carry_is_chosen_with_the_rest_of_the_program(rows, monkeypatch):
         counts[planner] = jsbp.debug.count_collectives(fn, c, xs)
     assert counts["search"]["all-gather"] == 1 and sum(counts["search"].values()) == 1, counts
     assert sum(counts["global"].values()) == 0, counts
-    placement, jaxpr, consts, lays, out_nd = _captured(f, (c, xs), monkeypatch, out_sbp=jsbp.sbp.split(0))
+    placement, jaxpr, consts, lays, out_nd = _captured(
+        f, (c, xs), monkeypatch, out_sbp=jsbp.sbp.split(0)
+    )
     inf = C._Inference(placement, None, {}, frozenset(jaxpr.invars))
     prog = inf.program(jaxpr, consts, lays, out_nd)
     problem = G.build(inf, prog, jaxpr, out_nd)
     # the scan inlined: its body's add a node, its carry a node choosing among every layout
     # (B, P, S(0), S(1)), which the init, the body's carry-out and the result are read / made in
     (carry,) = [n for n in problem.nodes if isinstance(n.eqn, G._Mark) and n.eqn.role == "carry"]
-    assert {ins[0] for ins, _ in carry.cands} == {(jsbp.sbp.broadcast,), (jsbp.sbp.partial_sum,), (jsbp.sbp.split(0),), (jsbp.sbp.split(1),)}
-    assert [n.eqn.primitive.name for n in problem.nodes if n.scope is not None and not isinstance(n.eqn, G._Mark)] \
-        == ["add"]
+    assert {ins[0] for ins, _ in carry.cands} == {
+        (jsbp.sbp.broadcast,),
+        (jsbp.sbp.partial_sum,),
+        (jsbp.sbp.split(0),),
+        (jsbp.sbp.split(1),),
+    }
+    assert [
+        n.eqn.primitive.name
+        for n in problem.nodes
+        if n.scope is not None and not isinstance(n.eqn, G._Mark)
+    ] == ["add"]
 
 
 def _recurrence(a, h0, xs):
@@ -572,14 +645,20 @@ def test_nested_bodies_are_inlined_in_turn(monkeypatch):
     want = _nested(av, hv, xv)
     scopes = []
     decide = G.decisions
-    monkeypatch.setattr(G, "decisions", lambda prob, choice: scopes.append(dict(prob.scopes)) or decide(prob, choice))
+    monkeypatch.setattr(
+        G,
+        "decisions",
+        lambda prob, choice: scopes.append(dict(prob.scopes)) or decide(prob, choice),
+    )
     got = {}
     for mode in ("search", "global"):
         _use_planner(mode, monkeypatch)
         fn = jsbp.jit(_nested)
         assert_tree_close(fn(*args), want, rtol=1e-4, atol=1e-4)
-        got[mode] = (C.program_cost(fn.lower_program(*args).program, loops=True),
-                     sum(jsbp.debug.count_collectives(fn, *args).values()))
+        got[mode] = (
+            C.program_cost(fn.lower_program(*args).program, loops=True),
+            sum(jsbp.debug.count_collectives(fn, *args).values()),
+        )
     assert got["search"][1] == 2 and got["global"][1] == 1, got
     assert got["global"][0] < got["search"][0] / 10, got
     nests = [{(sc.kind, sc.parent is None) for sc in s.values()} for s in scopes]
@@ -588,6 +667,7 @@ def test_nested_bodies_are_inlined_in_turn(monkeypatch):
 
 def _noisy_decay(x, key):
     """A scan carrying a PRNG key, a float state and a boolean flag."""
+
     def body(c, _):
         k, h, flag = c
         k, sub = jax.random.split(k)
@@ -608,18 +688,39 @@ def test_inlined_loop_carries_keys_and_booleans(layout, monkeypatch):
     got = jsbp.jit(_noisy_decay)(gt(xv, P8, layout), jax.random.key(1))
     for o, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(o.numpy()), np.asarray(r), rtol=1e-5, atol=1e-6)
-    assert not any(x.is_partial for lay in G._layouts(jax.ShapeDtypeStruct((), jax.random.key(0).dtype), (8,)) for x in lay)
-    assert not any(x.is_partial for lay in G._layouts(jax.ShapeDtypeStruct((), np.bool_), (8,)) for x in lay)
+    assert not any(
+        x.is_partial
+        for lay in G._layouts(jax.ShapeDtypeStruct((), jax.random.key(0).dtype), (8,))
+        for x in lay
+    )
+    assert not any(
+        x.is_partial for lay in G._layouts(jax.ShapeDtypeStruct((), np.bool_), (8,)) for x in lay
+    )
 
 
-_INLINE_LAYOUTS_1D = list(itertools.product(["B", "S(0)", "S(1)"], ["B", "S(0)", "S(1)"], ["B", "S(0)", "S(1)", "S(2)"]))
-_INLINE_LAYOUTS_2D = [(a, h, x) for a, h, x in itertools.product(
-    itertools.product(["B", "S(0)", "S(1)"], repeat=2), itertools.product(["B", "S(0)", "S(1)"], repeat=2),
-    itertools.product(["B", "S(1)", "S(2)"], repeat=2))][::37]
-_INLINE_CASES = [pytest.param(P4, lay, id=f"1d-{'-'.join(lay)}", marks=() if k % 6 == 0 else pytest.mark.slow)
-                 for k, lay in enumerate(_INLINE_LAYOUTS_1D)] + \
-    [pytest.param(P2x2, lay, id=f"2d-{'-'.join(map(','.join, lay))}", marks=() if k % 3 == 0 else pytest.mark.slow)
-     for k, lay in enumerate(_INLINE_LAYOUTS_2D)]
+_INLINE_LAYOUTS_1D = list(
+    itertools.product(["B", "S(0)", "S(1)"], ["B", "S(0)", "S(1)"], ["B", "S(0)", "S(1)", "S(2)"])
+)
+_INLINE_LAYOUTS_2D = [
+    (a, h, x)
+    for a, h, x in itertools.product(
+        itertools.product(["B", "S(0)", "S(1)"], repeat=2),
+        itertools.product(["B", "S(0)", "S(1)"], repeat=2),
+        itertools.product(["B", "S(1)", "S(2)"], repeat=2),
+    )
+][::37]
+_INLINE_CASES = [
+    pytest.param(P4, lay, id=f"1d-{'-'.join(lay)}", marks=() if k % 6 == 0 else pytest.mark.slow)
+    for k, lay in enumerate(_INLINE_LAYOUTS_1D)
+] + [
+    pytest.param(
+        P2x2,
+        lay,
+        id=f"2d-{'-'.join(map(','.join, lay))}",
+        marks=() if k % 3 == 0 else pytest.mark.slow,
+    )
+    for k, lay in enumerate(_INLINE_LAYOUTS_2D)
+]
 
 
 def _controlled(a, h0, xs, p):
@@ -641,16 +742,26 @@ def test_inlined_bodies_match_one_device(placement, layouts, monkeypatch):
     args = [gt(v, placement, lay) for v, lay in zip((av, hv, xv), layouts)]
     flag = [jsbp.tensor(np.float32(s), placement, ("B",) * placement.ndim) for s in (1, -1)]
     monkeypatch.delenv("JSBP_PLANNER", raising=False)
-    searched = C.program_cost(jsbp.jit(_controlled).lower_program(*args, flag[0]).program, loops=True)
+    searched = C.program_cost(
+        jsbp.jit(_controlled).lower_program(*args, flag[0]).program, loops=True
+    )
     monkeypatch.setenv("JSBP_PLANNER", "global")
     inlined = set()
     for kind, inline in list(G._INLINE.items()):
-        monkeypatch.setitem(G._INLINE, kind, lambda *a, kind=kind, inline=inline: (inline(*a), inlined.add(kind)))
+        monkeypatch.setitem(
+            G._INLINE, kind, lambda *a, kind=kind, inline=inline: (inline(*a), inlined.add(kind))
+        )
     fn = jsbp.jit(_controlled)
     for f, s in zip(flag, (1, -1)):
-        assert_tree_close(fn(*args, f), _controlled(av, hv, xv, np.float32(s)), rtol=1e-5, atol=1e-5)
+        assert_tree_close(
+            fn(*args, f), _controlled(av, hv, xv, np.float32(s)), rtol=1e-5, atol=1e-5
+        )
     prog = fn.lower_program(*args, flag[0]).program
-    assert {st.kind for st in prog.steps} >= {"scan", "cond", "while"} and inlined == {"scan", "cond", "while"}
+    assert {st.kind for st in prog.steps} >= {"scan", "cond", "while"} and inlined == {
+        "scan",
+        "cond",
+        "while",
+    }
     assert C.program_cost(prog, loops=True) <= searched + 1e-6
 
 
@@ -671,16 +782,22 @@ def test_loop_bodies_are_planned_once_per_infer(monkeypatch):
     """Each forward pass of the enclosing program meets a loop again, and the carry's fixed point
     tries its layouts again: a body is planned once per distinct (body, boundary layouts, wanted
     outputs) and the plan is shared. Same program as with every body planned anew."""
+
     def fn(xs, w):
         def body(c, x):
             h = jnp.tanh(x @ w + c)
             return h.mean(0, keepdims=True), h.sum()
+
         c, ys = jax.lax.scan(body, jnp.zeros((1, 4)), xs)
         return c.sum() + ys.sum()
 
-    rng = np.random.default_rng(7)  # (its own: the shared generator's draws depend on the test order)
-    args = (gt(rng.standard_normal((3, 8, 6), np.float32), P2x2, ("S(1)", "B")),
-            gt(rng.standard_normal((6, 4), np.float32), P2x2, ("B", "S(1)")))
+    rng = np.random.default_rng(
+        7
+    )  # (its own: the shared generator's draws depend on the test order)
+    args = (
+        gt(rng.standard_normal((3, 8, 6), np.float32), P2x2, ("S(1)", "B")),
+        gt(rng.standard_normal((6, 4), np.float32), P2x2, ("B", "S(1)")),
+    )
     calls = []
     real = C._search
 
@@ -699,10 +816,16 @@ def test_loop_bodies_are_planned_once_per_infer(monkeypatch):
     assert len(calls) > planned, (len(calls), planned)
     assert C.program_cost(shared) == C.program_cost(anew)
     assert [
-        [(tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts)) for st in b.steps]
+        [
+            (tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts))
+            for st in b.steps
+        ]
         for b in _loop_bodies(shared)
     ] == [
-        [(tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts)) for st in b.steps]
+        [
+            (tuple(l.nd_sbp for l in st.in_layouts), tuple(l.nd_sbp for l in st.out_layouts))
+            for st in b.steps
+        ]
         for b in _loop_bodies(anew)
     ]
     out = jsbp.jit(fn)(*args)
@@ -722,7 +845,11 @@ def test_cond_result_layouts_do_not_depend_on_the_branch_order(partial_first, mo
     mm, th = (lambda x, w: x.T @ w), (lambda x, w: jnp.tanh(x))
 
     def f(p, x, w):  # branches = (false, true)
-        return jax.lax.cond(p > 0, th, mm, x, w) if partial_first else jax.lax.cond(p > 0, mm, th, x, w)
+        return (
+            jax.lax.cond(p > 0, th, mm, x, w)
+            if partial_first
+            else jax.lax.cond(p > 0, mm, th, x, w)
+        )
 
     xv, wv = rand(32, 32), rand(32, 32)
     x, w = gt(xv, P8, "S(0)"), gt(wv, P8, "S(0)")
@@ -732,7 +859,9 @@ def test_cond_result_layouts_do_not_depend_on_the_branch_order(partial_first, mo
         fn = jsbp.jit(f, out_sbp=jsbp.sbp.broadcast)
         for pv in (1.0, -1.0):
             p = gt(np.float32(pv), P8, "B")
-            np.testing.assert_allclose(fn(p, x, w).numpy(), np.asarray(f(pv, xv, wv)), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(
+                fn(p, x, w).numpy(), np.asarray(f(pv, xv, wv)), rtol=1e-4, atol=1e-4
+            )
         counts[planner] = {k: v for k, v in jsbp.debug.count_collectives(fn, p, x, w).items() if v}
     assert counts["global"] == counts["search"] == {"all-reduce": 1}, counts
 
@@ -743,6 +872,7 @@ def test_global_planner_plans_cond_branches(monkeypatch):
     pass. A batch-normalising branch on (2, 2), batch split over the first axis, features over the
     second: the in-pass plan reduce-scatters the two partial statistics and gathers them back
     (2 reduce-scatters + 1 all-reduce); the global one all-reduces each statistic once."""
+
     def bn(x, g):
         m = x.mean(0)
         v = ((x - m) ** 2).mean(0)
@@ -752,15 +882,28 @@ def test_global_planner_plans_cond_branches(monkeypatch):
         return jax.lax.cond(p.sum() > 0, bn, lambda h, g: h * g, x @ w, g)
 
     vals = (rand(4), rand(16, 8), rand(8, 32), rand(32))
-    args = tuple(gt(v, P2x2, nd) for v, nd in zip(vals, [("B", "B"), ("S(0)", "B"), ("B", "S(1)"), ("B", "S(0)")]))
+    args = tuple(
+        gt(v, P2x2, nd)
+        for v, nd in zip(vals, [("B", "B"), ("S(0)", "B"), ("B", "S(1)"), ("B", "S(0)")])
+    )
     search = jsbp.jit(fn)
     monkeypatch.setenv("JSBP_PLANNER", "global")
     planned = jsbp.jit(fn)
     got = planned.lower_program(*args).program
     monkeypatch.delenv("JSBP_PLANNER")
     want = search.lower_program(*args).program
-    branch = [C.program_cost(b) for _, st in C.iter_steps(got) if st.kind == "cond" for b in C.subprograms(st)]
-    before = [C.program_cost(b) for _, st in C.iter_steps(want) if st.kind == "cond" for b in C.subprograms(st)]
+    branch = [
+        C.program_cost(b)
+        for _, st in C.iter_steps(got)
+        if st.kind == "cond"
+        for b in C.subprograms(st)
+    ]
+    before = [
+        C.program_cost(b)
+        for _, st in C.iter_steps(want)
+        if st.kind == "cond"
+        for b in C.subprograms(st)
+    ]
     # branches: (false, true); the normalising one is the second
     assert len(branch) == len(before) == 2 and branch[1] < 0.75 * before[1], (branch, before)
     assert C.program_cost(got) < C.program_cost(want)
@@ -771,8 +914,12 @@ def test_global_planner_plans_cond_branches(monkeypatch):
     assert counts["reduce-scatter"] == 0 and sum(counts.values()) <= 2, counts
     ref = jax.jit(fn)(*vals)
     np.testing.assert_allclose(planned(*args).numpy(), ref, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(planned(*(gt(-vals[0], P2x2, ("B", "B")),) + args[1:]).numpy(),
-                               jax.jit(fn)(-vals[0], *vals[1:]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        planned(*(gt(-vals[0], P2x2, ("B", "B")),) + args[1:]).numpy(),
+        jax.jit(fn)(-vals[0], *vals[1:]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("zero", [2, 3])
@@ -807,5 +954,10 @@ def test_combined_gradient_collectives_are_not_traded_for_activation_gathers(zer
     got, want = (dict(nnx.to_flat_state(nnx.state(r.model, nnx.Param))) for r in (run, ref))
     assert got.keys() == want.keys()
     for path, v in want.items():
-        np.testing.assert_allclose(np.asarray(got[path].get_value()), np.asarray(v.get_value()),
-                                   rtol=1e-5, atol=1e-5, err_msg=str(path))
+        np.testing.assert_allclose(
+            np.asarray(got[path].get_value()),
+            np.asarray(v.get_value()),
+            rtol=1e-5,
+            atol=1e-5,
+            err_msg=str(path),
+        )

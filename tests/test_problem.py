@@ -46,9 +46,27 @@ def _problem_of(fn, *args, out_sbp=None):
 
 _SMALL = {  # name: (fn, argument shapes, placement, input nd-sbps, out_sbp)
     "matmul_tanh": (lambda x, w: jnp.tanh(x @ w), [(8, 6), (6, 4)], P4, ["S(0)", "S(1)"], None),
-    "mlp_row_col": (lambda x, a, b: jnp.tanh(x @ a) @ b, [(8, 6), (6, 8), (8, 4)], P4, ["B", "S(1)", "S(0)"], "B"),
-    "sum_then_scale": (lambda x, y: (x * y).sum(0) * 2.0, [(8, 4), (8, 4)], P4, ["S(0)", "S(1)"], None),
-    "2d_matmul": (lambda x, w: (x @ w).sum(1), [(8, 4), (4, 6)], R22, [("S(0)", "B"), ("B", "S(1)")], None),
+    "mlp_row_col": (
+        lambda x, a, b: jnp.tanh(x @ a) @ b,
+        [(8, 6), (6, 8), (8, 4)],
+        P4,
+        ["B", "S(1)", "S(0)"],
+        "B",
+    ),
+    "sum_then_scale": (
+        lambda x, y: (x * y).sum(0) * 2.0,
+        [(8, 4), (8, 4)],
+        P4,
+        ["S(0)", "S(1)"],
+        None,
+    ),
+    "2d_matmul": (
+        lambda x, w: (x @ w).sum(1),
+        [(8, 4), (4, 6)],
+        R22,
+        [("S(0)", "B"), ("B", "S(1)")],
+        None,
+    ),
 }
 
 
@@ -129,8 +147,13 @@ def test_a_data_parallel_train_step_matches_one_device(new_planner):
     params = [jsbp.tensor(w, placement=P4, sbp="B") for w in ws]
     x = jsbp.tensor(xv, placement=P4, sbp="S(0)")
     y = jsbp.tensor(yv, placement=P4, sbp="S(0)")
-    _run_and_check(step, (params, x, y), jax.jit(step)([jnp.asarray(w) for w in ws], xv, yv), out_sbp="B",
-                   atol=1e-6)
+    _run_and_check(
+        step,
+        (params, x, y),
+        jax.jit(step)([jnp.asarray(w) for w in ws], xv, yv),
+        out_sbp="B",
+        atol=1e-6,
+    )
 
 
 def test_a_loop_is_not_expressed_yet():

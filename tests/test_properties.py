@@ -18,11 +18,23 @@ PLACEMENTS = [
 
 PROGRAMS = {
     "mlp": (lambda x, w: jnp.tanh(x @ w).sum(0), lambda m, k, n: [(m, k), (k, n)]),
-    "softmax_matmul": (lambda x, w: jax.nn.softmax(x @ w, axis=-1), lambda m, k, n: [(m, k), (k, n)]),
+    "softmax_matmul": (
+        lambda x, w: jax.nn.softmax(x @ w, axis=-1),
+        lambda m, k, n: [(m, k), (k, n)],
+    ),
     "norm": (lambda x, w: (x - x.mean(0)) / (x.std(0) + 1.0) @ w, lambda m, k, n: [(m, k), (k, n)]),
-    "max_argmax": (lambda x, w: (x.max(1), jnp.argmax(x @ w, axis=0)), lambda m, k, n: [(m, k), (k, n)]),
-    "grad": (lambda x, w: jax.grad(lambda w: jnp.sum(jnp.sin(x @ w)))(w), lambda m, k, n: [(m, k), (k, n)]),
-    "reshape_t": (lambda x, w: (x.T @ x).reshape(-1) * 2.0 + w.sum(), lambda m, k, n: [(m, k), (k, n)]),
+    "max_argmax": (
+        lambda x, w: (x.max(1), jnp.argmax(x @ w, axis=0)),
+        lambda m, k, n: [(m, k), (k, n)],
+    ),
+    "grad": (
+        lambda x, w: jax.grad(lambda w: jnp.sum(jnp.sin(x @ w)))(w),
+        lambda m, k, n: [(m, k), (k, n)],
+    ),
+    "reshape_t": (
+        lambda x, w: (x.T @ x).reshape(-1) * 2.0 + w.sum(),
+        lambda m, k, n: [(m, k), (k, n)],
+    ),
 }
 
 SBP = st.sampled_from(["S(0)", "S(1)", "B", "P"])
@@ -39,10 +51,17 @@ def cases(draw):
 
 
 def _to_np(tree):
-    return [np.asarray(t.numpy()) for t in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor))]
+    return [
+        np.asarray(t.numpy())
+        for t in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, jsbp.GlobalTensor))
+    ]
 
 
-@settings(max_examples=int(__import__("os").environ.get("JSBP_HYPOTHESIS_EXAMPLES", "10")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=int(__import__("os").environ.get("JSBP_HYPOTHESIS_EXAMPLES", "10")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(cases())
 def test_any_layouts_match_one_device(case):
     plc, name, dims, lays, seed = case
@@ -75,13 +94,23 @@ _CONVERSIONS = {  # kind -> (the operand's SBP, the annotation's SBP, the collec
 @st.composite
 def interleavings(draw):
     plc = draw(st.sampled_from(PLACEMENTS[:1] + [jsbp.placement("cpu", list(range(8)))]))
-    ops = draw(st.lists(st.tuples(st.sampled_from(sorted(_CONVERSIONS)), st.booleans(), st.booleans(), st.booleans()),
-                        min_size=2, max_size=7))
+    ops = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(sorted(_CONVERSIONS)), st.booleans(), st.booleans(), st.booleans()
+            ),
+            min_size=2,
+            max_size=7,
+        )
+    )
     return plc, ops, draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=int(__import__("os").environ.get("JSBP_HYPOTHESIS_EXAMPLES", "10")), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=int(__import__("os").environ.get("JSBP_HYPOTHESIS_EXAMPLES", "10")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(interleavings())
 def test_combined_collectives_run_each_group_when_first_needed(case):
     """Conversions (P -> B, P -> S, S -> B), each read (by ``tanh``, which can wait) or only

@@ -19,13 +19,16 @@ def p1():
     return jsbp.placement("cpu", [0, 1, 2, 3])
 
 
-@pytest.mark.parametrize("dtype,specs", [
-    (np.float32, [".2f", ".3e", ">10.4f", "g", "+.1%"]),
-    (jnp.bfloat16, [".2f", "g"]),
-    (np.float16, [".3f"]),
-    (np.int32, ["d", ">5d", "x", ".2f"]),
-    (np.bool_, ["", "d"]),
-])
+@pytest.mark.parametrize(
+    "dtype,specs",
+    [
+        (np.float32, [".2f", ".3e", ">10.4f", "g", "+.1%"]),
+        (jnp.bfloat16, [".2f", "g"]),
+        (np.float16, [".3f"]),
+        (np.int32, ["d", ">5d", "x", ".2f"]),
+        (np.bool_, ["", "d"]),
+    ],
+)
 def test_format_of_a_0d_tensor_is_the_values(p1, dtype, specs):
     value = np.asarray(-2.375 if dtype != np.bool_ else True).astype(dtype)
     ref = jnp.asarray(value)
@@ -99,11 +102,14 @@ def test_unpicklable_tensors_say_to_use_checkpoint(p1):
         jax.jit(traced)(x.physical)
 
 
-@pytest.mark.parametrize("data,where", [
-    ([[1, 2], [3]], "data[0] has length 2 but data[1] has length 1"),
-    ([[1, 2], 3], "data[0] is a sequence but data[1] is a scalar"),
-    ([[[1, 2], [3, 4]], [[5, 6], [7]]], "data[1][0] has length 2 but data[1][1] has length 1"),
-])
+@pytest.mark.parametrize(
+    "data,where",
+    [
+        ([[1, 2], [3]], "data[0] has length 2 but data[1] has length 1"),
+        ([[1, 2], 3], "data[0] is a sequence but data[1] is a scalar"),
+        ([[[1, 2], [3, 4]], [[5, 6], [7]]], "data[1][0] has length 2 but data[1][1] has length 1"),
+    ],
+)
 def test_ragged_nested_list_names_the_argument(p1, data, where):
     with pytest.raises(jsbp.SbpError) as err:
         jsbp.tensor(data, placement=p1, sbp="B")

@@ -14,7 +14,9 @@ def _tour_code():
 
 
 def test_readme_tour_runs(capsys):
-    code = _tour_code().replace('jax.config.update("jax_num_cpu_devices", 8)', "")  # conftest did it
+    code = _tour_code().replace(
+        'jax.config.update("jax_num_cpu_devices", 8)', ""
+    )  # conftest did it
     ns: dict = {}
     exec(compile(code, "README.md", "exec"), ns)
     assert [a.shape for a in ns["x"].to_local()] == [(7, 3), (6, 3), (6, 3), (6, 3)]

@@ -46,11 +46,15 @@ class DeepLM(nnx.Module):
     def __init__(self, *, rngs):
         kw = dict(param_dtype=jnp.float32, rngs=rngs)
         part, normal = idioms.part, nnx.initializers.normal(0.02)
-        self.embed = nnx.Embed(idioms.VOCAB, idioms.D, embedding_init=part(normal, "vocab", "embed"), **kw)
+        self.embed = nnx.Embed(
+            idioms.VOCAB, idioms.D, embedding_init=part(normal, "vocab", "embed"), **kw
+        )
         self.pos = nnx.Embed(idioms.SEQ, idioms.D, embedding_init=normal, **kw)
         self.blocks = nnx.List([idioms.Block(rngs=rngs) for _ in range(LAYERS)])
         self.ln = nnx.LayerNorm(idioms.D, **kw)
-        self.head = nnx.Linear(idioms.D, idioms.VOCAB, kernel_init=part(normal, "embed", "vocab"), **kw)
+        self.head = nnx.Linear(
+            idioms.D, idioms.VOCAB, kernel_init=part(normal, "embed", "vocab"), **kw
+        )
 
     def __call__(self, tokens):
         x = self.embed(tokens) + self.pos(jnp.arange(tokens.shape[1]))[None]
@@ -98,13 +102,16 @@ def _dict_mlp_step(layers, padded=False):
     def r(*shape):
         return rng.standard_normal(shape).astype(np.float32) * 0.3
 
-    ws = {n: {"w1": gt(r(16, 32), R24, "B, S(1)"), "w2": gt(r(32, 16), R24, "S(0), B")} for n in names}
+    ws = {
+        n: {"w1": gt(r(16, 32), R24, "B, S(1)"), "w2": gt(r(32, 16), R24, "S(0), B")} for n in names
+    }
     return step, (ws, gt(r(8, 16), R24, "S(0), B"))
 
 
 def _plain(args):
-    return jax.tree_util.tree_map(lambda t: jnp.asarray(t.numpy()), args,
-                                  is_leaf=lambda t: isinstance(t, jsbp.GlobalTensor))
+    return jax.tree_util.tree_map(
+        lambda t: jnp.asarray(t.numpy()), args, is_leaf=lambda t: isinstance(t, jsbp.GlobalTensor)
+    )
 
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -120,7 +127,7 @@ def _captured(fn, args, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(_jit, "infer", lambda *a, **k: seen.append(a) or C.infer(*a, **k))
         jsbp.jit(fn).lower_program(*args)
-    (placement, jaxpr, consts, lays, out_nd), = seen
+    ((placement, jaxpr, consts, lays, out_nd),) = seen
     return placement, C._dce(jaxpr), consts, lays, out_nd
 
 
@@ -151,7 +158,8 @@ def test_short_models_are_planned_whole(monkeypatch, reductions):
     step, args = _dict_mlp_step(_repeat.MIN_COPIES - 1)
     placement, jaxpr, consts, lays, out_nd = _captured(step, args, monkeypatch)
     assert C.program_cost(C.infer(placement, jaxpr, consts, lays, out_nd)) == C.program_cost(
-        C._search(placement, jaxpr, consts, lays, out_nd))
+        C._search(placement, jaxpr, consts, lays, out_nd)
+    )
     assert not reductions
 
 
@@ -216,8 +224,9 @@ def test_reduced_program_weighs_a_block_as_the_copies_it_stands_for(monkeypatch,
     monkeypatch.setattr(G, "build", spy)
     prog = C.infer(placement, jaxpr, consts, lays, out_nd)
     assert reductions, "planned whole"
-    assert seen and all(w is not None and sorted(set(w.values())) == [1, 6] for w in seen), \
-        [None if w is None else sorted(set(w.values())) for w in seen]
+    assert seen and all(w is not None and sorted(set(w.values())) == [1, 6] for w in seen), [
+        None if w is None else sorted(set(w.values())) for w in seen
+    ]
     want = json.loads(RECORDED.read_text())["gpt8 DPxTP global"]
     assert C.program_cost(prog) <= want["cost"], (C.program_cost(prog), want)
     assert G.combined_cost(prog) <= want["combined"], (G.combined_cost(prog), want)

@@ -1328,9 +1328,21 @@ def test_contributing_worked_example(monkeypatch):
 # without a rule"): tokens, stateful or ragged ops, staging markers, and two special-function
 # internals that only their own gradients emit
 _LAX_WITHOUT_RULE = {
-    "after_all", "composite", "create_token", "dce_sink", "empty", "from_edtype", "mulhi",
-    "ragged_dot_general", "reduce", "rng_uniform", "stage", "tie", "to_edtype",
-    "igamma_grad_a", "regularized_incomplete_beta",
+    "after_all",
+    "composite",
+    "create_token",
+    "dce_sink",
+    "empty",
+    "from_edtype",
+    "mulhi",
+    "ragged_dot_general",
+    "reduce",
+    "rng_uniform",
+    "stage",
+    "tie",
+    "to_edtype",
+    "igamma_grad_a",
+    "regularized_incomplete_beta",
 }
 
 
@@ -1346,9 +1358,15 @@ def test_every_lax_primitive_has_a_rule_or_is_listed():
     import jsbp._compiler as C
 
     known = set(registered()) | set(HANDLED_BY_COMPILER) | set(C._HIGHER_ORDER) | _LAX_WITHOUT_RULE
-    defined = {v.name for m in (lax_core, special, slicing) for v in vars(m).values()
-               if isinstance(v, jcore_src.Primitive)}
+    defined = {
+        v.name
+        for m in (lax_core, special, slicing)
+        for v in vars(m).values()
+        if isinstance(v, jcore_src.Primitive)
+    }
     assert len(defined) > 100  # the modules were read
     new = sorted(defined - known)
-    assert not new, (f"jax {jax.__version__} defines primitives jsbp has no rule for: {new}. Register a rule "
-                     "(jsbp/rules/, CONTRIBUTING.md) or add them to _LAX_WITHOUT_RULE with a line in docs/rules.md.")
+    assert not new, (
+        f"jax {jax.__version__} defines primitives jsbp has no rule for: {new}. Register a rule "
+        "(jsbp/rules/, CONTRIBUTING.md) or add them to _LAX_WITHOUT_RULE with a line in docs/rules.md."
+    )

@@ -102,7 +102,11 @@ def test_each_value_exists_once():
     assert sbp.parse("S(1)") is s1 and sbp.parse("S(-1)") is sbp.split(-1)
     assert pickle.loads(pickle.dumps(s1)) is s1 and copy.deepcopy(s1) is s1 and copy.copy(s1) is s1
     assert dataclasses.replace(s1, dim=2) is sbp.split(2)
-    assert Broadcast() is sbp.broadcast and Partial() is sbp.partial_sum and Partial("min") is sbp.partial_min
+    assert (
+        Broadcast() is sbp.broadcast
+        and Partial() is sbp.partial_sum
+        and Partial("min") is sbp.partial_min
+    )
     assert pickle.loads(pickle.dumps(sbp.partial_max)) is sbp.partial_max
     with pytest.raises(jsbp.SbpError, match="integer dim"):
         Split(1.0)

@@ -400,17 +400,27 @@ def test_random_values_do_not_depend_on_the_layout():
         assert_close(out, ref)
 
 
-
-
 def _bits_layouts(fn, *args):
     prog = jsbp.jit(fn).lower_program(*args).program
-    return [st.out_layouts[0].nd_sbp for _, st in jsbp._compiler.iter_steps(prog)
-            if st.eqn.primitive.name == "random_bits"]
+    return [
+        st.out_layouts[0].nd_sbp
+        for _, st in jsbp._compiler.iter_steps(prog)
+        if st.eqn.primitive.name == "random_bits"
+    ]
 
 
 @pytest.mark.parametrize("shape", [(16, 12), (7, 5), (3, 9)])
-@pytest.mark.parametrize("plc, nd", [(P4, "S(0)"), (P4, "S(1)"), (Q22, ("S(0)", "S(1)")),
-                                     (Q22, ("S(1)", "S(0)")), (Q22, ("S(0)", "S(0)")), (Q22, ("B", "S(1)"))])
+@pytest.mark.parametrize(
+    "plc, nd",
+    [
+        (P4, "S(0)"),
+        (P4, "S(1)"),
+        (Q22, ("S(0)", "S(1)")),
+        (Q22, ("S(1)", "S(0)")),
+        (Q22, ("S(0)", "S(0)")),
+        (Q22, ("B", "S(1)")),
+    ],
+)
 def test_random_draws_are_made_split_where_they_are_used_split(plc, nd, shape):
     """Dropout on a split activation draws only the device's block of bits (threefry hashes each
     element's row-major counter), not the whole array sliced: the same bits as one device, no
@@ -430,6 +440,8 @@ def test_random_draws_are_made_split_where_they_are_used_split(plc, nd, shape):
     np.testing.assert_array_equal(out.numpy(), ref)
     assert sum(coll.values()) == 0
     assert _bits_layouts(dropout, gk, gx) == [parse(nd, plc)] * 2
+
+
 # -------------------------------------------------------------------------------------------
 # pooling, grouped convs, fft, linear algebra and the JAX 0.10 shape primitives
 # -------------------------------------------------------------------------------------------
@@ -579,7 +591,9 @@ def test_batched_solve_keeps_the_batch_split():
     assert sum(coll.values()) == 0 and x.sbp == parse("S(0)", P4)
     assert_close(x, jnp.linalg.solve(jnp.asarray(av), jnp.asarray(bv)), 1e-4)
     loss = lambda a, b: jnp.sum(jnp.linalg.solve(a, b) ** 2)
-    g, _, coll = run(jax.grad(loss, argnums=(0, 1)), jsbp.tensor(av, P4, "S(0)"), jsbp.tensor(bv, P4, "S(0)"))
+    g, _, coll = run(
+        jax.grad(loss, argnums=(0, 1)), jsbp.tensor(av, P4, "S(0)"), jsbp.tensor(bv, P4, "S(0)")
+    )
     ref = jax.grad(loss, argnums=(0, 1))(jnp.asarray(av), jnp.asarray(bv))
     assert sum(coll.values()) == 0
     for a, b in zip(g, ref):

@@ -22,8 +22,6 @@ FULL = os.environ.get("JSBP_FULL", "") not in ("", "0")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-
-
 tg = load_example("train_gpt")
 tl = load_example("train_lenet")
 
@@ -92,11 +90,26 @@ def test_train_gpt_parallel_auto_matches_one_device(capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not FULL, reason="the --parallel auto command line: set JSBP_FULL=1")
 def test_train_gpt_cli_parallel_auto_prints_the_choice():
-    out = _run_example("examples/train_gpt.py", "--parallel", "auto", "--memory-budget", "64MiB",
-                       "--steps", "2", "--json")
+    out = _run_example(
+        "examples/train_gpt.py",
+        "--parallel",
+        "auto",
+        "--memory-budget",
+        "64MiB",
+        "--steps",
+        "2",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "Strategy.auto:" in out.stderr and "chosen:" in out.stderr and "memory budget 64.00 MiB" in out.stderr
-    assert "parameter layouts:" in out.stderr and "measured per device: model + optimizer state" in out.stderr
+    assert (
+        "Strategy.auto:" in out.stderr
+        and "chosen:" in out.stderr
+        and "memory budget 64.00 MiB" in out.stderr
+    )
+    assert (
+        "parameter layouts:" in out.stderr
+        and "measured per device: model + optimizer state" in out.stderr
+    )
     losses = [json.loads(line)["loss"] for line in out.stdout.splitlines() if line.strip()]
     np.testing.assert_allclose(losses, tg.train("none", steps=2).losses, rtol=1e-5)
 

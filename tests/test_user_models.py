@@ -488,8 +488,12 @@ def test_lora_under_zero1_gathers_only_the_adapters():
     step = jflax.make_train_step(lora_loss, strat)
     plan = step.explain(model, optimizer, batches[0])
     gathered = [b.shape for b in plan.output_boxings if b.collectives == ("all-gather",)]
-    adapters = [np.shape(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))]
-    assert sorted(gathered) == sorted(adapters) and all(b.combined is not None for b in plan.output_boxings)
+    adapters = [
+        np.shape(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
+    ]
+    assert sorted(gathered) == sorted(adapters) and all(
+        b.combined is not None for b in plan.output_boxings
+    )
     losses = [_value(step(model, optimizer, b)) for b in batches]
     got = (losses, jflax.gather(model), jflax.gather(optimizer))
     assert_parity(got, ref, _eager(LoRAMLP)(nnx.Rngs(0)), wrt=nnx.LoRAParam)

@@ -121,7 +121,10 @@ def _where(path: str) -> str:
 def _mismatch(root, e, shape, dtype) -> CheckpointError:
     saved = _dtype(e["dtype"])
     x64 = ""
-    if tuple(e["shape"]) == tuple(shape) and np.dtype(jax.dtypes.canonicalize_dtype(saved)) == dtype != saved:
+    if (
+        tuple(e["shape"]) == tuple(shape)
+        and np.dtype(jax.dtypes.canonicalize_dtype(saved)) == dtype != saved
+    ):
         x64 = (
             f" It was saved under jax_enable_x64; JAX makes {dtype.name} of {saved.name} here "
             "(x64 is off): enable x64 before loading, or load it as numpy (a numpy target leaf) "

@@ -49,6 +49,7 @@ from ._storage import placement_to_json, storage_layout
 
 __all__ = ["save"]
 
+
 def _pause_point(point: str) -> None:
     """A named point of the save sequence; does nothing.
 
@@ -78,9 +79,9 @@ def _key_data(leaf):
         key = leaf.to_global(sbp=(_sbp.broadcast,) * leaf.placement.ndim).physical
         data = jax.random.key_data(key)
         plc = leaf.placement
-        return GlobalTensor(data, layout_of(plc, (_sbp.broadcast,) * plc.ndim, tuple(data.shape))), str(
-            jax.random.key_impl(key)
-        )
+        return GlobalTensor(
+            data, layout_of(plc, (_sbp.broadcast,) * plc.ndim, tuple(data.shape))
+        ), str(jax.random.key_impl(key))
     return jax.random.key_data(leaf), str(jax.random.key_impl(leaf))
 
 
@@ -290,7 +291,12 @@ def _recover(root: str) -> None:
 # -- a full disk ------------------------------------------------------------------------------
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "ENOSPC", "RESOURCE_EXHAUSTED: No space")
+_FULL_WORDS = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "ENOSPC",
+    "RESOURCE_EXHAUSTED: No space",
+)
 
 
 def _free_bytes(root: str) -> int | None:

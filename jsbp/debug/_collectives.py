@@ -79,10 +79,14 @@ def count_collectives(fn, *args, **kwargs) -> dict[str, int]:
         bound = functools.partial(fn, **kwargs) if kwargs else fn
         try:
             lowered = jit(bound).lower(*args)
-        except Exception as consistent:  # eager-API code (GlobalTensor methods), or no global tensor
+        except (
+            Exception
+        ) as consistent:  # eager-API code (GlobalTensor methods), or no global tensor
             try:
                 lowered = jax.jit(fn).lower(*args, **kwargs)
             except Exception as eager:
-                consistent.add_note(f"compiling it with jax.jit instead failed too: {type(eager).__name__}: {eager}")
+                consistent.add_note(
+                    f"compiling it with jax.jit instead failed too: {type(eager).__name__}: {eager}"
+                )
                 raise consistent from None
     return collectives_in_hlo(lowered.compile().as_text())

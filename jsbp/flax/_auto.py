@@ -119,10 +119,16 @@ class AutoReport:
 
     def __str__(self):
         budget = "none" if self.memory_budget is None else fmt_bytes(self.memory_budget)
-        head = (f"  {'candidate':<40} {'ms (est)':>8} {'coll':>5} {'moved/dev':>11} "
-                f"{'peak/dev':>11} {'fits':>4}")
-        lines = [f"Strategy.auto: {len(self.candidates)} candidates planned in {self.seconds:.1f}s, "
-                 f"memory budget {budget}", head, "-" * len(head)]
+        head = (
+            f"  {'candidate':<40} {'ms (est)':>8} {'coll':>5} {'moved/dev':>11} "
+            f"{'peak/dev':>11} {'fits':>4}"
+        )
+        lines = [
+            f"Strategy.auto: {len(self.candidates)} candidates planned in {self.seconds:.1f}s, "
+            f"memory budget {budget}",
+            head,
+            "-" * len(head),
+        ]
         lines += [c.row(c is self.chosen) for c in self.candidates]
         e = self.chosen.estimate
         lines.append(
@@ -158,7 +164,7 @@ def _model_names(flat) -> list[str]:
     names: set[str] = set()
     for dn in _param_dim_names(flat):
         for n in dn or ():
-            for x in (n if isinstance(n, tuple) else (n,)):
+            for x in n if isinstance(n, tuple) else (n,):
                 if isinstance(x, str) and x != "batch":
                     names.add(x)
     return sorted(names)
@@ -167,8 +173,11 @@ def _model_names(flat) -> list[str]:
 def _big_matrices(flat) -> list[tuple[str, tuple[int, ...]]]:
     """The largest 2-d parameters (path, shape), at most ``MAX_LEAF_CHOICES``, largest first."""
     # paths within the model (the state is split from (model, optimizer): drop the leading 0)
-    mats = [(path_str(p[1:]), _shape(_value(v))) for p, v in flat
-            if _kind(v) == "param" and len(_shape(_value(v))) == 2]
+    mats = [
+        (path_str(p[1:]), _shape(_value(v)))
+        for p, v in flat
+        if _kind(v) == "param" and len(_shape(_value(v))) == 2
+    ]
     mats.sort(key=lambda m: (-math.prod(m[1]), m[0]))
     return mats[:MAX_LEAF_CHOICES]
 
@@ -236,8 +245,16 @@ class _Search:
         return c
 
 
-def estimate_strategy(strategy: Strategy, *, model, optimizer, loss_fn, batch, accum: int = 1,
-                      cost_model: CostModel = DEFAULT_COST) -> Estimate:
+def estimate_strategy(
+    strategy: Strategy,
+    *,
+    model,
+    optimizer,
+    loss_fn,
+    batch,
+    accum: int = 1,
+    cost_model: CostModel = DEFAULT_COST,
+) -> Estimate:
     """The cost model's ``Estimate`` of ``strategy``'s train step (any strategy, hand-written ones
     included), planned on abstract state exactly as ``Strategy.auto`` plans its candidates."""
     return _Search(loss_fn, model, optimizer, batch, accum, cost_model, None).plan(strategy)
@@ -307,7 +324,9 @@ def auto_strategy(
     tp_choice: tuple = ()
     if len(grids) > 1:
         _, tp_n, tp_plc = grids[-1]
-        options = list(names) if names else [(p, d) for p, s in mats for d in (0, 1) if s[d] % tp_n == 0]
+        options = (
+            list(names) if names else [(p, d) for p, s in mats for d in (0, 1) if s[d] % tp_n == 0]
+        )
         conflicts = _conflicts(search.flat, names) if names else None
 
         def legal(choice):
@@ -318,8 +337,16 @@ def auto_strategy(
         def run(choice):
             return search.try_(_name(1, tp_n, desc(choice), 0), strategy(tp_plc, choice, 0))
 
-        subsets = [c for k in range(len(options) + 1) for c in itertools.combinations(options, k)
-                   if legal(c)] if len(options) <= EXHAUSTIVE_OPTIONS else None
+        subsets = (
+            [
+                c
+                for k in range(len(options) + 1)
+                for c in itertools.combinations(options, k)
+                if legal(c)
+            ]
+            if len(options) <= EXHAUSTIVE_OPTIONS
+            else None
+        )
         if subsets is not None:
             best = None
             for choice in subsets:
@@ -335,15 +362,21 @@ def auto_strategy(
                     if opt in tp_choice or not legal(choice):
                         continue
                     c = run(choice)
-                    if c is not None and (round_best is None or search.score(c) < search.score(round_best[0])):
+                    if c is not None and (
+                        round_best is None or search.score(c) < search.score(round_best[0])
+                    ):
                         round_best = (c, choice)
-                if round_best is None or (best is not None and not search.score(round_best[0]) < search.score(best)):
+                if round_best is None or (
+                    best is not None and not search.score(round_best[0]) < search.score(best)
+                ):
                     break
                 best, tp_choice = round_best
     # 2) every grid with that tensor parallelism; the ZeRO stages on every grid with a dp axis
     #    (without a budget: only on grids whose ZeRO-0 step is within ZERO_SLACK of the best)
-    plain = [(dp, tp, plc, search.try_(_name(dp, tp, desc(tp_choice), 0), strategy(plc, tp_choice, 0)))
-             for dp, tp, plc in grids]
+    plain = [
+        (dp, tp, plc, search.try_(_name(dp, tp, desc(tp_choice), 0), strategy(plc, tp_choice, 0)))
+        for dp, tp, plc in grids
+    ]
     best0 = min(c.estimate.seconds for *_, c in plain if c is not None)
     for dp, tp, plc, c in plain:
         if dp == 1 or c is None or (budget is None and c.estimate.seconds > ZERO_SLACK * best0):
@@ -372,7 +405,9 @@ def auto_strategy(
         * _itemsize(_value(v))
         for p, v in search.flat
     )
-    report = AutoReport(search.candidates, chosen, budget, int(state_bytes), time.perf_counter() - t0)
+    report = AutoReport(
+        search.candidates, chosen, budget, int(state_bytes), time.perf_counter() - t0
+    )
     object.__setattr__(chosen.strategy, "report", report)
     return chosen.strategy
 
@@ -382,7 +417,6 @@ def _itemsize(value) -> int:
     if is_key_dtype(dt):
         return dt.itemsize
     return np.dtype(dt).itemsize
-
 
 
 _AUTO.append(auto_strategy)  # Strategy.auto reaches the search here (see _strategy._AUTO)

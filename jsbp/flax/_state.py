@@ -26,7 +26,17 @@ from ._strategy import (
     path_str,
 )
 
-__all__ = ["shard", "gather", "layouts", "describe", "local_nbytes", "leaf_layouts", "path_str", "derived_sbp"]
+__all__ = [
+    "shard",
+    "gather",
+    "layouts",
+    "describe",
+    "local_nbytes",
+    "leaf_layouts",
+    "path_str",
+    "derived_sbp",
+]
+
 
 def _replace(var, value):
     """``var`` holding ``value`` (a plain array leaf is replaced by ``value`` itself)."""

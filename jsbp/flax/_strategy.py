@@ -36,7 +36,15 @@ from .._layout import normalise_nd
 from .._placement import placement as Placement
 from .._tensor import GlobalTensor, is_key_dtype
 
-__all__ = ["Strategy", "LeafLayouts", "constrain", "active_strategy", "leaf_layouts", "path_str", "derived_sbp"]
+__all__ = [
+    "Strategy",
+    "LeafLayouts",
+    "constrain",
+    "active_strategy",
+    "leaf_layouts",
+    "path_str",
+    "derived_sbp",
+]
 
 NdSbp = tuple[_sbp.Sbp, ...]
 
@@ -222,8 +230,16 @@ class Strategy:
 
     @classmethod
     def auto(
-        cls, placement: Placement, memory_budget=None, *, model, optimizer, loss_fn, batch,
-        accum: int = 1, cost_model=None,
+        cls,
+        placement: Placement,
+        memory_budget=None,
+        *,
+        model,
+        optimizer,
+        loss_fn,
+        batch,
+        accum: int = 1,
+        cost_model=None,
     ) -> Strategy:
         """Choose a strategy for ``model`` / ``optimizer`` / ``loss_fn`` on ``placement``'s
         devices: the cheapest (estimated step time: collectives + compute) whose predicted peak
@@ -240,10 +256,18 @@ class Strategy:
         Raises ``SbpError`` when no candidate fits the budget, naming the smallest peak found.
         """
         if not _AUTO:  # jsbp.flax imports jsbp.flax._auto, which registers its search here
-            raise SbpError("Strategy.auto: import jsbp.flax (its _auto module registers the search).")
+            raise SbpError(
+                "Strategy.auto: import jsbp.flax (its _auto module registers the search)."
+            )
         return _AUTO[0](
-            placement, memory_budget, model=model, optimizer=optimizer, loss_fn=loss_fn,
-            batch=batch, accum=accum, cost_model=cost_model,
+            placement,
+            memory_budget,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            batch=batch,
+            accum=accum,
+            cost_model=cost_model,
         )
 
     # -- logical names ------------------------------------------------------------------------
@@ -370,10 +394,17 @@ class Strategy:
         for path, var in flat:
             lay = lays[path]
             v = _value(var)
-            rows.append((
-                path_str(path), str(_shape(v)) if _is_array(v) else "(pytree)", lay.kind,
-                _sbp.nd_str(lay.stored), _sbp.nd_str(lay.use), _sbp.nd_str(lay.grad), lay.source,
-            ))
+            rows.append(
+                (
+                    path_str(path),
+                    str(_shape(v)) if _is_array(v) else "(pytree)",
+                    lay.kind,
+                    _sbp.nd_str(lay.stored),
+                    _sbp.nd_str(lay.use),
+                    _sbp.nd_str(lay.grad),
+                    lay.source,
+                )
+            )
         w = [max(len(r[i]) for r in rows) for i in range(6)]
         lines = ["  ".join(f"{c:<{w[i]}}" for i, c in enumerate(r[:6])) + "  " + r[6] for r in rows]
         lines.insert(1, "-" * len(lines[0]))
@@ -454,7 +485,9 @@ def leaf_layouts(flat: Sequence[tuple[Path, Any]], strategy: Strategy) -> dict[P
     base_of: dict[Path, tuple] = {}
     source_of: dict[Path, str] = {}
     for path, var in params.items():
-        base_of[path], source_of[path] = strategy._base(path_str(path), _shape(_value(var)), _names(var))
+        base_of[path], source_of[path] = strategy._base(
+            path_str(path), _shape(_value(var)), _names(var)
+        )
     out: dict[Path, LeafLayouts] = {}
     b = (_sbp.broadcast,) * strategy.placement.ndim
     for path, var in flat:
@@ -476,7 +509,8 @@ def leaf_layouts(flat: Sequence[tuple[Path, Any]], strategy: Strategy) -> dict[P
                     else:  # its parameter's names (Flax copies them) describe other dims
                         base, kept = derived_sbp(base_of[p], pshape, shape)
                         source = (
-                            f"B: shaped {shape}, unlike {path_str(p)} {pshape}" if kept is None
+                            f"B: shaped {shape}, unlike {path_str(p)} {pshape}"
+                            if kept is None
                             else f"derived from {path_str(p)} {pshape} (keeps dims {kept})"
                         )
                     break
@@ -493,7 +527,9 @@ def leaf_layouts(flat: Sequence[tuple[Path, Any]], strategy: Strategy) -> dict[P
     return out
 
 
-def derived_sbp(nd: tuple, pshape: tuple[int, ...], shape: tuple[int, ...]) -> tuple[tuple, tuple | None]:
+def derived_sbp(
+    nd: tuple, pshape: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[tuple, tuple | None]:
     """The layout of a state of ``shape`` derived from its parameter's layout ``nd`` (shape
     ``pshape``): ``(layout, kept)`` where ``kept`` are the parameter dims the state keeps, in order.
 
@@ -510,6 +546,7 @@ def derived_sbp(nd: tuple, pshape: tuple[int, ...], shape: tuple[int, ...]) -> t
         if all(s == q or s == 1 for s, q in zip(shape, pshape)):
             cands.append(tuple(d for d, (s, q) in enumerate(zip(shape, pshape)) if s == q))
     elif len(shape) < len(pshape):  # dims dropped: every embedding of shape in pshape, in order
+
         def embed(i: int, j: int, acc: tuple[int, ...]):
             if len(cands) > 16:
                 return
@@ -523,11 +560,14 @@ def derived_sbp(nd: tuple, pshape: tuple[int, ...], shape: tuple[int, ...]) -> t
         embed(0, 0, ())
     layouts = set()
     for kept in cands:
-        layouts.add(tuple(
-            _sbp.Split(kept.index(x.dim) if len(shape) != len(pshape) else x.dim)
-            if x.is_split and x.dim in kept else (b[0] if x.is_split else x)
-            for x in nd
-        ))
+        layouts.add(
+            tuple(
+                _sbp.Split(kept.index(x.dim) if len(shape) != len(pshape) else x.dim)
+                if x.is_split and x.dim in kept
+                else (b[0] if x.is_split else x)
+                for x in nd
+            )
+        )
     if len(layouts) != 1 or len(cands) > 16:
         return b, None
     out = layouts.pop()
@@ -545,7 +585,6 @@ def _meta_rank(meta) -> int:
     if isinstance(meta, str):
         return 1
     return len(meta) if isinstance(meta, (tuple, list)) else 0
-
 
 
 # -------------------------------------------------------------------------------------------

@@ -186,7 +186,9 @@ class TrainStep:
                 nnx.update(rngs[0], rest[1])
             optimizer.update(model, grads)
             if strategy is not None and 1 <= strategy.zero <= 2:
-                updated = nnx.All(nnx.Param, getattr(optimizer, "wrt", nnx.Param))  # not frozen ones
+                updated = nnx.All(
+                    nnx.Param, getattr(optimizer, "wrt", nnx.Param)
+                )  # not frozen ones
                 nnx.update(model, _map_flat(nnx.state(model, updated), update_shard))
             return nnx.state((model, optimizer, *rngs)), loss
 
@@ -376,10 +378,7 @@ def _plain_arrays_back(state, new_state):
     raw = {p for p, v in nnx.to_flat_state(state) if not isinstance(v, nnx.Variable)}
     if not raw:
         return new_state
-    flat = [
-        (p, _plain(v) if p in raw else v)
-        for p, v in nnx.to_flat_state(new_state)
-    ]
+    flat = [(p, _plain(v) if p in raw else v) for p, v in nnx.to_flat_state(new_state)]
     return nnx.from_flat_state(flat)
 
 

@@ -161,7 +161,9 @@ def environments(a: argparse.Namespace, status_dir: str) -> list[dict[str, str]]
             PYTHONUNBUFFERED="1",
         )
         env[STATUS_ENV] = status_dir
-        env.setdefault("JSBP_SHUTDOWN_TIMEOUT", str(max(SHUTDOWN_TIMEOUT_S, int(a.exit_timeout) + 30)))
+        env.setdefault(
+            "JSBP_SHUTDOWN_TIMEOUT", str(max(SHUTDOWN_TIMEOUT_S, int(a.exit_timeout) + 30))
+        )
         # JAX's preemption service catches SIGTERM (to let a job reach a sync point), so a
         # process sent SIGTERM would go on; under the launcher SIGTERM ends the process, and with
         # it the job. Set JAX_ENABLE_PREEMPTION_SERVICE=true to keep JAX's handling.
@@ -172,5 +174,3 @@ def environments(a: argparse.Namespace, status_dir: str) -> list[dict[str, str]]
             env.setdefault("JAX_PLATFORMS", "cpu")
         envs.append(env)
     return envs
-
-

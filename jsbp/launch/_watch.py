@@ -157,9 +157,11 @@ class Job:
             if now - since >= a.exit_timeout:
                 left = next(r for r in self.ranks if r.rank == rank)
                 names = ", ".join(str(r.rank) for r in running)
-                how = "left (its process exited with code 0 before its script finished)" if (
-                    left.vanished()
-                ) else "finished (exit code 0)"
+                how = (
+                    "left (its process exited with code 0 before its script finished)"
+                    if (left.vanished())
+                    else "finished (exit code 0)"
+                )
                 say(
                     f"rank {rank} {how} {now - t:.1f} s ago while rank(s) {names} still run and "
                     f"made no progress for {now - since:.1f} s (--exit-timeout {a.exit_timeout:g} "

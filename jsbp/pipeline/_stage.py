@@ -160,9 +160,7 @@ def _signature(*trees) -> tuple:
             (
                 treedef,
                 tuple(
-                    (a.layout, a.dtype)
-                    if _is_global(a)
-                    else (np.shape(a), np.result_type(a))
+                    (a.layout, a.dtype) if _is_global(a) else (np.shape(a), np.result_type(a))
                     for a in leaves
                 ),
             )
@@ -406,14 +404,16 @@ class Stage:
         """The error of a stage that cannot take what it was given: which stage gave it (or the
         micro-batch inputs), with the shapes, and JAX's own complaint."""
         what = (
-            f"the micro-batch inputs of {_shapes(x)}" if self.first
+            f"the micro-batch inputs of {_shapes(x)}"
+            if self.first
             else f"stage {self.index - 1}'s output of {_shapes(x)}"
         )
         tgt = f" (targets {_shapes(t)})" if t is not None and self.last else ""
         fix = (
             f"make stage {self.index - 1}'s output match what stage {self.index} takes (or stage "
             f"{self.index}'s input size match stage {self.index - 1}'s output)"
-            if not self.first else "give stage 0 inputs of the shape its first layer takes"
+            if not self.first
+            else "give stage 0 inputs of the shape its first layer takes"
         )
         name = type(self.user_module).__name__
         return SbpError(

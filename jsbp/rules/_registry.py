@@ -84,7 +84,11 @@ def register_sbp_rule(*primitives: str, local: Callable | None = None, nd: bool 
         elif type(p).__name__ == "Primitive" and isinstance(getattr(p, "name", None), str):
             names.append(p.name)  # a jax.extend.core.Primitive: registered under its name
         else:
-            what = f"the function {getattr(p, '__name__', p)!r}" if callable(p) else f"{p!r} ({type(p).__name__})"
+            what = (
+                f"the function {getattr(p, '__name__', p)!r}"
+                if callable(p)
+                else f"{p!r} ({type(p).__name__})"
+            )
             raise SbpError(
                 f"register_sbp_rule: got {what} where a JAX primitive name was expected. Rules are keyed "
                 "by primitive (e.g. 'add', 'dot_general', 'reduce_sum'), not by jax.numpy function: "
@@ -96,7 +100,9 @@ def register_sbp_rule(*primitives: str, local: Callable | None = None, nd: bool 
             "register_sbp_rule: name at least one JAX primitive, e.g. @jsbp.register_sbp_rule('add')."
         )
     if local is not None and not callable(local):
-        raise SbpError(f"register_sbp_rule({', '.join(map(repr, names))}): local= must be callable, got {local!r}.")
+        raise SbpError(
+            f"register_sbp_rule({', '.join(map(repr, names))}): local= must be callable, got {local!r}."
+        )
 
     def deco(fn):
         if not callable(fn):
@@ -142,7 +148,9 @@ def _checked(fn, name: str, nd: bool):
         if nd:
             for x in xs:
                 if not isinstance(x, (tuple, list)):
-                    raise bad(sig, f"{x!r} is not an nd-sbp (a tuple with one SBP per placement axis)")
+                    raise bad(
+                        sig, f"{x!r} is not an nd-sbp (a tuple with one SBP per placement axis)"
+                    )
             return tuple(tuple(one(v, sig) for v in x) for x in xs)
         return tuple(one(x, sig) for x in xs)
 

@@ -30,7 +30,9 @@ def _gather_sigs(ctx):
         else:
             yield (B, Split(i)), (Split(batch_out[i]),)
     # operand dims taken whole (not indexed, collapsed or batching) -> output offset dims
-    kept = [d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims and d not in op_batching]
+    kept = [
+        d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims and d not in op_batching
+    ]
     for j, d in enumerate(kept):
         if d not in dn.start_index_map and slice_sizes[d] == op_shape[d]:
             yield (Split(d), B), (Split(offset_dims[j]),)
@@ -150,7 +152,9 @@ def _scatter_sigs(ctx):
         d = dn.scatter_dims_to_operand_dims[0]
         yield (Split(d), B, B), (Split(d),)
     # operand dims that are window dims taken whole stay split with the update's window dim
-    kept = [d for d in range(len(op_shape)) if d not in dn.inserted_window_dims and d not in op_batching]
+    kept = [
+        d for d in range(len(op_shape)) if d not in dn.inserted_window_dims and d not in op_batching
+    ]
     for j, d in enumerate(kept):
         if d not in dn.scatter_dims_to_operand_dims and upd_shape[upd_window[j]] == op_shape[d]:
             yield (Split(d), B, Split(upd_window[j])), (Split(d),)

@@ -66,7 +66,10 @@ def _threefry(ctx):
     n_out = len(ctx.out_avals)
     for d in range(rank):
         out = ctx.out_shapes[0]  # a size-1 (broadcast) dim of an operand stays B, as in elementwise
-        yield tuple(Split(d) if len(s) == rank and s[d] == out[d] else B for s in ctx.in_shapes), (Split(d),) * n_out
+        yield (
+            tuple(Split(d) if len(s) == rank and s[d] == out[d] else B for s in ctx.in_shapes),
+            (Split(d),) * n_out,
+        )
     yield (B,) * len(ctx.in_avals), (B,) * n_out
 
 
@@ -103,7 +106,7 @@ def _bits_local(st, ins):
 
     shape = tuple(params["shape"])
     local = tuple(lay.local_shape[nk:])
-    strides = [math.prod(shape[j + 1:]) for j in range(len(shape))]
+    strides = [math.prod(shape[j + 1 :]) for j in range(len(shape))]
     me = _device_index(lay.placement)
     counts = jnp.zeros(local, jnp.uint32)
     for j, stride in enumerate(strides):

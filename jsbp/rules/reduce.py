@@ -21,7 +21,11 @@ def _reduce_sigs(ctx, partial_in_ok):
     rank = len(ctx.in_shapes[0])
     name = ctx.primitive.name
     partial = _PARTIAL_OF.get(name)
-    if partial is not None and partial.reduce != "sum" and jnp.issubdtype(ctx.in_avals[0].dtype, jnp.complexfloating):
+    if (
+        partial is not None
+        and partial.reduce != "sum"
+        and jnp.issubdtype(ctx.in_avals[0].dtype, jnp.complexfloating)
+    ):
         # XLA has no max / min collective for complex values: reduce them whole
         partial = partial_in_ok = None
     for d in range(rank):

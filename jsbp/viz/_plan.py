@@ -295,7 +295,9 @@ def plan_html(plan) -> str:
         if r.name:
             prim += f'<div style="opacity:0.7;font-size:10px">{esc(r.name)}</div>'
         if r.note:
-            prim += f'<div class="jsbp-note" style="color:#b35900;font-size:10px">{esc(r.note)}</div>'
+            prim += (
+                f'<div class="jsbp-note" style="color:#b35900;font-size:10px">{esc(r.note)}</div>'
+            )
         sig = esc(r.signature)
         if r.outputs is not None and "->" not in r.signature:  # explain's signatures include them
             sig += f'<div style="opacity:0.7;font-size:10px">out {esc(", ".join(r.outputs))}</div>'

@@ -42,7 +42,9 @@ def token_stream(seed: int, vocab: int, batch: int, seq: int):
     rng = np.random.default_rng(seed)
     start = rng.integers(0, vocab, size=(batch, 1))
     steps = rng.integers(1, 4, size=(batch, seq))
-    return (np.concatenate([start, start + np.cumsum(steps, axis=1)], axis=1) % vocab).astype(np.int32)
+    return (np.concatenate([start, start + np.cumsum(steps, axis=1)], axis=1) % vocab).astype(
+        np.int32
+    )
 
 
 def load(name: str):

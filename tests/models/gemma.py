@@ -83,7 +83,9 @@ class ShardingConfig:
             o_weight_nhd=P(tp, None, fsdp),
             ffw_weight_df=P(fsdp, tp),
             ffw_weight_fd=P(tp, fsdp),
-            rms_norm_weight=P(tp,),
+            rms_norm_weight=P(
+                tp,
+            ),
             act_btd=P(fsdp, None, None if is_sampling else tp),
             act_btf=P(fsdp, None, tp),
             act_btnh=P(fsdp, None, tp, None),
@@ -222,8 +224,16 @@ def apply_rope(inputs, positions, head_dim, max_wavelength=10_000, scale_factor=
 class RMSNorm(nnx.Module):
     """RMSNorm layer."""
 
-    def __init__(self, dim, *, scale_init=nnx.initializers.zeros_init(), scale_metadata=None, rngs,
-                 dtype=jnp.float32, weight_dtype=jnp.float32):
+    def __init__(
+        self,
+        dim,
+        *,
+        scale_init=nnx.initializers.zeros_init(),
+        scale_metadata=None,
+        rngs,
+        dtype=jnp.float32,
+        weight_dtype=jnp.float32,
+    ):
         self.dtype = dtype
         self.weight_dtype = weight_dtype
         scale_metadata = scale_metadata if scale_metadata else {}
@@ -251,10 +261,26 @@ class ScaledEmbed(nnx.Embed):
 class Attention(nnx.Module):
     """Attention module (the grouped-query path: fewer key/value heads than query heads)."""
 
-    def __init__(self, num_heads, num_kv_heads, features, head_dim, query_pre_attn_scalar, attn_type, *, rngs,
-                 rope_base_frequency=DEFAULT_ROPE_BASE_FREQUENCY, rope_scale_factor=DEFAULT_ROPE_SCALE_FACTOR,
-                 attn_logits_soft_cap=None, sliding_window_size=None, sow_config=SowConfig(),
-                 shd_config: ShardingConfig, dtype=jnp.float32, weight_dtype=jnp.float32, dropout_rate=0.0):
+    def __init__(
+        self,
+        num_heads,
+        num_kv_heads,
+        features,
+        head_dim,
+        query_pre_attn_scalar,
+        attn_type,
+        *,
+        rngs,
+        rope_base_frequency=DEFAULT_ROPE_BASE_FREQUENCY,
+        rope_scale_factor=DEFAULT_ROPE_SCALE_FACTOR,
+        attn_logits_soft_cap=None,
+        sliding_window_size=None,
+        sow_config=SowConfig(),
+        shd_config: ShardingConfig,
+        dtype=jnp.float32,
+        weight_dtype=jnp.float32,
+        dropout_rate=0.0,
+    ):
         self.shd_config = shd_config
         self.query_pre_attn_scalar = query_pre_attn_scalar
         self.attn_type = attn_type
@@ -264,7 +290,9 @@ class Attention(nnx.Module):
             einsum_str="BTNH,NHD->BTD",
             kernel_shape=(num_heads, head_dim, features),
             kernel_metadata={"out_sharding": shd_config.o_weight_nhd},
-            dtype=dtype, param_dtype=weight_dtype, rngs=rngs,
+            dtype=dtype,
+            param_dtype=weight_dtype,
+            rngs=rngs,
         )
         self.rope_base_frequency = rope_base_frequency
         self.rope_scale_factor = rope_scale_factor
@@ -275,23 +303,29 @@ class Attention(nnx.Module):
             einsum_str="BTD,NDH->BTNH",
             kernel_shape=(num_heads, features, head_dim),
             kernel_metadata={"out_sharding": shd_config.q_weight_ndh},
-            dtype=dtype, param_dtype=weight_dtype, rngs=rngs,
+            dtype=dtype,
+            param_dtype=weight_dtype,
+            rngs=rngs,
         )
         kv_kernel_sharding = None
         if shd_config.kv_weight_cndh:
             self.act_cbtkh_shd = (
-                self.shd_config.act_sbtnh if num_kv_heads > 1
+                self.shd_config.act_sbtnh
+                if num_kv_heads > 1
                 else jax.P(None, shd_config.fsdp_axis_name, None, None, None)
             )
             kv_kernel_sharding = (
-                shd_config.kv_weight_cndh if num_kv_heads > 1
+                shd_config.kv_weight_cndh
+                if num_kv_heads > 1
                 else jax.P(None, None, shd_config.fsdp_axis_name, None)
             )
         self.kv_einsum = nnx.Einsum(
             einsum_str="BTD,CKDH->CBTKH",
             kernel_shape=(2, num_kv_heads, features, head_dim),
             kernel_metadata={"out_sharding": kv_kernel_sharding},
-            dtype=dtype, param_dtype=weight_dtype, rngs=rngs,
+            dtype=dtype,
+            param_dtype=weight_dtype,
+            rngs=rngs,
         )
         self.dropout = nnx.Dropout(dropout_rate)
 
@@ -299,17 +333,29 @@ class Attention(nnx.Module):
         query_proj = self.q_einsum(x, out_sharding=self.shd_config.act_btnh)
         key_proj, value_proj = self.kv_einsum(x, out_sharding=self.act_cbtkh_shd)
 
-        query_proj = apply_rope(query_proj, segment_pos, head_dim=self.head_dim,
-                                max_wavelength=self.rope_base_frequency, scale_factor=self.rope_scale_factor)
+        query_proj = apply_rope(
+            query_proj,
+            segment_pos,
+            head_dim=self.head_dim,
+            max_wavelength=self.rope_base_frequency,
+            scale_factor=self.rope_scale_factor,
+        )
         query_scaled = query_proj * self.query_pre_attn_scalar
-        key_proj = apply_rope(key_proj, segment_pos, head_dim=self.head_dim,
-                              max_wavelength=self.rope_base_frequency, scale_factor=self.rope_scale_factor)
+        key_proj = apply_rope(
+            key_proj,
+            segment_pos,
+            head_dim=self.head_dim,
+            max_wavelength=self.rope_base_frequency,
+            scale_factor=self.rope_scale_factor,
+        )
 
         use_gqa = self.num_heads > self.num_kv_heads and self.num_kv_heads > 1
         if use_gqa:
             num_groups = self.num_heads // self.num_kv_heads
             batch_size, seq_size, _, head_dim = query_scaled.shape
-            query_scaled = query_scaled.reshape((batch_size, seq_size, self.num_kv_heads, num_groups, head_dim))
+            query_scaled = query_scaled.reshape(
+                (batch_size, seq_size, self.num_kv_heads, num_groups, head_dim)
+            )
             logits = jnp.einsum("BTKGH,BSKH->BTKGS", query_scaled, key_proj)
             logits = logits.reshape((batch_size, seq_size, self.num_heads, -1))
         else:
@@ -321,7 +367,8 @@ class Attention(nnx.Module):
         if self.attn_type == AttentionType.LOCAL_SLIDING:
             all_ones = jnp.ones(attn_mask.shape, dtype=attn_mask.dtype)
             sliding_mask = jnp.triu(all_ones, -1 * self.sliding_window_size + 1) * jnp.tril(
-                all_ones, self.sliding_window_size - 1)
+                all_ones, self.sliding_window_size - 1
+            )
             attn_mask = sliding_mask * attn_mask
 
         padded_logits = jnp.where((jnp.expand_dims(attn_mask, -2)), logits, K_MASK)
@@ -356,21 +403,49 @@ class Attention(nnx.Module):
 class FeedForward(nnx.Module):
     """Feed forward module."""
 
-    def __init__(self, features, hidden_dim, *, kernel_init=nnx.initializers.normal(), rngs,
-                 sow_config=SowConfig(), shd_config: ShardingConfig, dtype=jnp.float32,
-                 weight_dtype=jnp.float32, dropout_rate=0.0):
-        self.gate_proj = nnx.Linear(in_features=features, out_features=hidden_dim, use_bias=False, rngs=rngs,
-                                    kernel_init=kernel_init,
-                                    kernel_metadata={"out_sharding": shd_config.ffw_weight_df},
-                                    dtype=dtype, param_dtype=weight_dtype)
-        self.up_proj = nnx.Linear(in_features=features, out_features=hidden_dim, use_bias=False, rngs=rngs,
-                                  kernel_init=kernel_init,
-                                  kernel_metadata={"out_sharding": shd_config.ffw_weight_df},
-                                  dtype=dtype, param_dtype=weight_dtype)
-        self.down_proj = nnx.Linear(in_features=hidden_dim, out_features=features, use_bias=False, rngs=rngs,
-                                    kernel_init=kernel_init,
-                                    kernel_metadata={"out_sharding": shd_config.ffw_weight_fd},
-                                    dtype=dtype, param_dtype=weight_dtype)
+    def __init__(
+        self,
+        features,
+        hidden_dim,
+        *,
+        kernel_init=nnx.initializers.normal(),
+        rngs,
+        sow_config=SowConfig(),
+        shd_config: ShardingConfig,
+        dtype=jnp.float32,
+        weight_dtype=jnp.float32,
+        dropout_rate=0.0,
+    ):
+        self.gate_proj = nnx.Linear(
+            in_features=features,
+            out_features=hidden_dim,
+            use_bias=False,
+            rngs=rngs,
+            kernel_init=kernel_init,
+            kernel_metadata={"out_sharding": shd_config.ffw_weight_df},
+            dtype=dtype,
+            param_dtype=weight_dtype,
+        )
+        self.up_proj = nnx.Linear(
+            in_features=features,
+            out_features=hidden_dim,
+            use_bias=False,
+            rngs=rngs,
+            kernel_init=kernel_init,
+            kernel_metadata={"out_sharding": shd_config.ffw_weight_df},
+            dtype=dtype,
+            param_dtype=weight_dtype,
+        )
+        self.down_proj = nnx.Linear(
+            in_features=hidden_dim,
+            out_features=features,
+            use_bias=False,
+            rngs=rngs,
+            kernel_init=kernel_init,
+            kernel_metadata={"out_sharding": shd_config.ffw_weight_fd},
+            dtype=dtype,
+            param_dtype=weight_dtype,
+        )
         self.dropout = nnx.Dropout(dropout_rate)
         self.sow_config = sow_config
         self.shd_config = shd_config
@@ -391,34 +466,83 @@ class FeedForward(nnx.Module):
 class Block(nnx.Module):
     """Transformer block."""
 
-    def __init__(self, config: TransformerConfig, attn_type: AttentionType, *, rngs, sow_config=SowConfig()):
+    def __init__(
+        self, config: TransformerConfig, attn_type: AttentionType, *, rngs, sow_config=SowConfig()
+    ):
         if attn_type == AttentionType.LOCAL_SLIDING:
-            rope_base_frequency, rope_scale_factor = config.local_base_frequency, config.local_scale_factor
+            rope_base_frequency, rope_scale_factor = (
+                config.local_base_frequency,
+                config.local_scale_factor,
+            )
         else:
-            rope_base_frequency, rope_scale_factor = config.global_base_frequency, config.global_scale_factor
+            rope_base_frequency, rope_scale_factor = (
+                config.global_base_frequency,
+                config.global_scale_factor,
+            )
         norm = {"out_sharding": config.shd_config.rms_norm_weight}
-        self.pre_attention_norm = RMSNorm(config.embed_dim, scale_metadata=norm, rngs=rngs,
-                                          dtype=config.dtype, weight_dtype=config.weight_dtype)
+        self.pre_attention_norm = RMSNorm(
+            config.embed_dim,
+            scale_metadata=norm,
+            rngs=rngs,
+            dtype=config.dtype,
+            weight_dtype=config.weight_dtype,
+        )
         self.attn = Attention(
-            num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, features=config.embed_dim,
-            head_dim=config.head_dim, query_pre_attn_scalar=config.query_pre_attn_scalar(),
-            attn_type=attn_type, rope_base_frequency=rope_base_frequency, rope_scale_factor=rope_scale_factor,
-            attn_logits_soft_cap=config.attn_logits_soft_cap, sliding_window_size=config.sliding_window_size,
-            rngs=rngs, sow_config=sow_config, shd_config=config.shd_config, dtype=config.dtype,
-            weight_dtype=config.weight_dtype, dropout_rate=config.dropout_rate,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            features=config.embed_dim,
+            head_dim=config.head_dim,
+            query_pre_attn_scalar=config.query_pre_attn_scalar(),
+            attn_type=attn_type,
+            rope_base_frequency=rope_base_frequency,
+            rope_scale_factor=rope_scale_factor,
+            attn_logits_soft_cap=config.attn_logits_soft_cap,
+            sliding_window_size=config.sliding_window_size,
+            rngs=rngs,
+            sow_config=sow_config,
+            shd_config=config.shd_config,
+            dtype=config.dtype,
+            weight_dtype=config.weight_dtype,
+            dropout_rate=config.dropout_rate,
         )
         self.post_attention_norm = (
-            RMSNorm(config.embed_dim, scale_metadata=norm, rngs=rngs, dtype=config.dtype,
-                    weight_dtype=config.weight_dtype) if config.use_post_attn_norm else None
+            RMSNorm(
+                config.embed_dim,
+                scale_metadata=norm,
+                rngs=rngs,
+                dtype=config.dtype,
+                weight_dtype=config.weight_dtype,
+            )
+            if config.use_post_attn_norm
+            else None
         )
-        self.pre_ffw_norm = RMSNorm(config.embed_dim, scale_metadata=norm, rngs=rngs,
-                                    dtype=config.dtype, weight_dtype=config.weight_dtype)
-        self.mlp = FeedForward(features=config.embed_dim, hidden_dim=config.hidden_dim, rngs=rngs,
-                               sow_config=sow_config, shd_config=config.shd_config, dtype=config.dtype,
-                               weight_dtype=config.weight_dtype, dropout_rate=config.dropout_rate)
+        self.pre_ffw_norm = RMSNorm(
+            config.embed_dim,
+            scale_metadata=norm,
+            rngs=rngs,
+            dtype=config.dtype,
+            weight_dtype=config.weight_dtype,
+        )
+        self.mlp = FeedForward(
+            features=config.embed_dim,
+            hidden_dim=config.hidden_dim,
+            rngs=rngs,
+            sow_config=sow_config,
+            shd_config=config.shd_config,
+            dtype=config.dtype,
+            weight_dtype=config.weight_dtype,
+            dropout_rate=config.dropout_rate,
+        )
         self.post_ffw_norm = (
-            RMSNorm(config.embed_dim, scale_metadata=norm, rngs=rngs, dtype=config.dtype,
-                    weight_dtype=config.weight_dtype) if config.use_post_ffw_norm else None
+            RMSNorm(
+                config.embed_dim,
+                scale_metadata=norm,
+                rngs=rngs,
+                dtype=config.dtype,
+                weight_dtype=config.weight_dtype,
+            )
+            if config.use_post_ffw_norm
+            else None
         )
         self.dropout = nnx.Dropout(config.dropout_rate)
         self.sow_config = sow_config
@@ -449,16 +573,26 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, rngs, sow_config=SowConfig()):
         self.embedder = ScaledEmbed(
-            config.num_embed, config.embed_dim, dtype=config.dtype, param_dtype=config.weight_dtype,
-            rngs=rngs, embedding_metadata={"out_sharding": config.shd_config.emb_vd},
+            config.num_embed,
+            config.embed_dim,
+            dtype=config.dtype,
+            param_dtype=config.weight_dtype,
+            rngs=rngs,
+            embedding_metadata={"out_sharding": config.shd_config.emb_vd},
         )
-        self.layers = nnx.List([
-            Block(config=config, attn_type=attn_type, sow_config=sow_config, rngs=rngs)
-            for _, attn_type in zip(range(config.num_layers), config.attention_types)
-        ])
-        self.final_norm = RMSNorm(config.embed_dim,
-                                  scale_metadata={"out_sharding": config.shd_config.rms_norm_weight},
-                                  rngs=rngs, dtype=config.dtype, weight_dtype=config.weight_dtype)
+        self.layers = nnx.List(
+            [
+                Block(config=config, attn_type=attn_type, sow_config=sow_config, rngs=rngs)
+                for _, attn_type in zip(range(config.num_layers), config.attention_types)
+            ]
+        )
+        self.final_norm = RMSNorm(
+            config.embed_dim,
+            scale_metadata={"out_sharding": config.shd_config.rms_norm_weight},
+            rngs=rngs,
+            dtype=config.dtype,
+            weight_dtype=config.weight_dtype,
+        )
         self.final_dropout = nnx.Dropout(config.dropout_rate, deterministic=False)
         self.final_logits_softcap = config.final_logit_softcap
         self.config = config
@@ -505,9 +639,12 @@ def compute_weighted_cross_entropy(logits, targets, weights=None, label_smoothin
     confidence = 1.0 - label_smoothing
     low_confidence = (1.0 - confidence) / (vocab_size - 1)
     normalizing_constant = -(
-        confidence * jnp.log(confidence) + (vocab_size - 1) * low_confidence * jnp.log(low_confidence + 1e-20)
+        confidence * jnp.log(confidence)
+        + (vocab_size - 1) * low_confidence * jnp.log(low_confidence + 1e-20)
     )
-    soft_targets = jax.nn.one_hot(targets, vocab_size) * (confidence - low_confidence) + low_confidence
+    soft_targets = (
+        jax.nn.one_hot(targets, vocab_size) * (confidence - low_confidence) + low_confidence
+    )
     loss = -jnp.sum(soft_targets * nnx.log_softmax(logits), axis=-1)
     loss = loss - normalizing_constant
     normalizing_factor = np.prod(targets.shape)
@@ -524,7 +661,9 @@ def loss_fn(model, batch, rngs, pad_id=0, label_smoothing=0.1):
     input_mask = inputs > pad_id
     weights = input_mask.astype(jnp.float32)
     attention_mask = make_causal_attn_mask(input_mask)
-    logits, _ = model(inputs, positions=inputs_positions, attention_mask=attention_mask, cache=None, rngs=rngs)
+    logits, _ = model(
+        inputs, positions=inputs_positions, attention_mask=attention_mask, cache=None, rngs=rngs
+    )
     loss_per_sample = compute_weighted_cross_entropy(logits, targets, weights, label_smoothing)
     return loss_per_sample.mean()
 

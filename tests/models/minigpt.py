@@ -25,43 +25,52 @@ VOCAB, MAXLEN, EMBED, HEADS, FF, BLOCKS, BATCH = 64, 8, 16, 4, 32, 2, 8
 class TransformerBlock(nnx.Module):
     """A single Transformer block (as published)."""
 
-    def __init__(self, embed_dim: int, num_heads: int, ff_dim: int, *, rngs: nnx.Rngs, rate: float = 0.1):
-        self.mha = nnx.MultiHeadAttention(num_heads=num_heads,
-                                          in_features=embed_dim,
-                                          kernel_metadata={'out_sharding': P(None, 'model')},
-                                          bias_metadata={'out_sharding': P('model')},
-                                          rngs=rngs)
+    def __init__(
+        self, embed_dim: int, num_heads: int, ff_dim: int, *, rngs: nnx.Rngs, rate: float = 0.1
+    ):
+        self.mha = nnx.MultiHeadAttention(
+            num_heads=num_heads,
+            in_features=embed_dim,
+            kernel_metadata={"out_sharding": P(None, "model")},
+            bias_metadata={"out_sharding": P("model")},
+            rngs=rngs,
+        )
         self.dropout1 = nnx.Dropout(rate=rate, rngs=rngs)
-        self.layer_norm1 = nnx.LayerNorm(epsilon=1e-6,
-                                         num_features=embed_dim,
-                                         scale_metadata={'out_sharding': P('model')},
-                                         bias_metadata={'out_sharding': P('model')},
-                                         rngs=rngs)
+        self.layer_norm1 = nnx.LayerNorm(
+            epsilon=1e-6,
+            num_features=embed_dim,
+            scale_metadata={"out_sharding": P("model")},
+            bias_metadata={"out_sharding": P("model")},
+            rngs=rngs,
+        )
         self.mlp = nnx.Sequential(
-            nnx.Linear(in_features=embed_dim,
-                       out_features=ff_dim,
-                       kernel_metadata={'out_sharding': P(None, 'model')},
-                       bias_metadata={'out_sharding': P('model')},
-                       rngs=rngs),
+            nnx.Linear(
+                in_features=embed_dim,
+                out_features=ff_dim,
+                kernel_metadata={"out_sharding": P(None, "model")},
+                bias_metadata={"out_sharding": P("model")},
+                rngs=rngs,
+            ),
             nnx.relu,
-            nnx.Linear(in_features=ff_dim,
-                       out_features=embed_dim,
-                       kernel_metadata={'out_sharding': P(None, 'model')},
-                       bias_metadata={'out_sharding': P('model')},
-                       rngs=rngs),
-            nnx.Dropout(rate=rate, rngs=rngs))
-        self.layer_norm2 = nnx.LayerNorm(epsilon=1e-6,
-                                         num_features=embed_dim,
-                                         scale_metadata={'out_sharding': P('model')},
-                                         bias_metadata={'out_sharding': P('model')},
-                                         rngs=rngs)
+            nnx.Linear(
+                in_features=ff_dim,
+                out_features=embed_dim,
+                kernel_metadata={"out_sharding": P(None, "model")},
+                bias_metadata={"out_sharding": P("model")},
+                rngs=rngs,
+            ),
+            nnx.Dropout(rate=rate, rngs=rngs),
+        )
+        self.layer_norm2 = nnx.LayerNorm(
+            epsilon=1e-6,
+            num_features=embed_dim,
+            scale_metadata={"out_sharding": P("model")},
+            bias_metadata={"out_sharding": P("model")},
+            rngs=rngs,
+        )
 
     def __call__(self, inputs):
-        attention_output = self.mha(
-            inputs_q=inputs,
-            is_causal=True,
-            decode=False
-        )
+        attention_output = self.mha(inputs_q=inputs, is_causal=True, decode=False)
         attention_output = self.dropout1(attention_output)
         out1 = self.layer_norm1(inputs + attention_output)
         ffn_output = self.mlp(out1)
@@ -85,17 +94,30 @@ class TokenAndPositionEmbedding(nnx.Module):
 class MiniGPT(nnx.Module):
     """The miniGPT transformer (as published, without the text-generation helpers)."""
 
-    def __init__(self, maxlen: int, vocab_size: int, embed_dim: int, num_heads: int, feed_forward_dim: int,
-                 num_transformer_blocks: int, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        maxlen: int,
+        vocab_size: int,
+        embed_dim: int,
+        num_heads: int,
+        feed_forward_dim: int,
+        num_transformer_blocks: int,
+        rngs: nnx.Rngs,
+    ):
         self.embedding_layer = TokenAndPositionEmbedding(maxlen, vocab_size, embed_dim, rngs=rngs)
-        self.transformer_blocks = nnx.Sequential(*[TransformerBlock(
-            embed_dim, num_heads, feed_forward_dim, rngs=rngs
-        ) for _ in range(num_transformer_blocks)])
-        self.output_layer = nnx.Linear(in_features=embed_dim,
-                                       out_features=vocab_size,
-                                       kernel_metadata={'out_sharding': P(None, 'model')},
-                                       bias_metadata={'out_sharding': P('model')},
-                                       rngs=rngs)
+        self.transformer_blocks = nnx.Sequential(
+            *[
+                TransformerBlock(embed_dim, num_heads, feed_forward_dim, rngs=rngs)
+                for _ in range(num_transformer_blocks)
+            ]
+        )
+        self.output_layer = nnx.Linear(
+            in_features=embed_dim,
+            out_features=vocab_size,
+            kernel_metadata={"out_sharding": P(None, "model")},
+            bias_metadata={"out_sharding": P("model")},
+            rngs=rngs,
+        )
 
     def __call__(self, inputs):
         x = self.embedding_layer(inputs)

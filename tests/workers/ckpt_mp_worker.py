@@ -98,7 +98,9 @@ def main() -> None:
             # B across both processes, but each process's copies hold its own value
             "['b']": {
                 "x": x,
-                "b": jsbp.from_local([np.full(8, float(pid))] * LOCAL_DEVICES, placement=p8, sbp="B"),
+                "b": jsbp.from_local(
+                    [np.full(8, float(pid))] * LOCAL_DEVICES, placement=p8, sbp="B"
+                ),
             },
             "structure": {"x": x, f"only_{pid}": 1},
             # each process saves its own tensor on its own devices (the same shape and sbp)
