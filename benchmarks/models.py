@@ -222,7 +222,6 @@ def gspmd_step(mod, strategy, host_batch):
     from jax.sharding import NamedSharding, PartitionSpec
 
     import jsbp.flax as jflax
-    import jsbp.flax._losses as losses_mod
 
     plc = strategy.placement
     mesh = plc.mesh
@@ -282,12 +281,8 @@ def gspmd_step(mod, strategy, host_batch):
         return nnx.state((model, optimizer)), loss
 
     def traced(state, batch):
-        saved = (jflax.constrain, losses_mod.constrain)
-        jflax.constrain = losses_mod.constrain = wsc_names
-        try:
+        with jflax.constrain_with(wsc_names):
             return step(state, batch)
-        finally:
-            jflax.constrain, losses_mod.constrain = saved
 
     fn = jax.jit(traced, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
     return fn, state, batch, uneven

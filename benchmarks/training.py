@@ -196,7 +196,6 @@ def hand_written(tg, cfg, strategy, accum, host_batch):
     from jax.sharding import NamedSharding
 
     import jsbp.flax as jflax
-    import jsbp.flax._losses as losses_mod
 
     plc = strategy.placement
     mesh = plc.mesh
@@ -255,12 +254,8 @@ def hand_written(tg, cfg, strategy, accum, host_batch):
 
     def traced(state, batch):
         # the model's jsbp.flax.constrain calls become with_sharding_constraint for this trace
-        saved = (jflax.constrain, losses_mod.constrain)
-        jflax.constrain = losses_mod.constrain = wsc_names
-        try:
+        with jflax.constrain_with(wsc_names):
             return step(state, batch)
-        finally:
-            jflax.constrain, losses_mod.constrain = saved
 
     fn = jax.jit(traced, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
     return fn, state, batch

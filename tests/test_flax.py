@@ -160,6 +160,25 @@ def test_constrain_is_identity_without_a_strategy():
     np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x) * 2)
 
 
+def test_constrain_with_routes_every_constrain_call():
+    """Under ``constrain_with(fn)`` a model's ``constrain`` calls (and the vocabulary-parallel
+    loss's) are ``fn``'s, with the same arguments; outside it they are ``constrain`` again."""
+    seen = []
+
+    def pin(x, names, *, sbp=None, grad_sbp="same"):
+        seen.append((tuple(np.shape(x)), names, sbp, grad_sbp))
+        return x * 2
+
+    x = jnp.ones((2, 3))
+    with jflax.constrain_with(pin):
+        y = jax.jit(lambda a: jflax.constrain(a, ("batch", "embed")) + 1)(x)
+        z = jflax.constrain(x, sbp="B", grad_sbp=None)
+    np.testing.assert_array_equal(np.asarray(y), np.full((2, 3), 3.0))
+    np.testing.assert_array_equal(np.asarray(z), np.full((2, 3), 2.0))
+    assert seen == [((2, 3), ("batch", "embed"), None, "same"), ((2, 3), None, "B", None)]
+    assert jflax.constrain(x, ("batch", "embed")) is x
+
+
 # ------------------------------------------------------------------------------------------------
 # parity with one device (the tiny GPT)
 # ------------------------------------------------------------------------------------------------

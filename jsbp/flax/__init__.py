@@ -20,6 +20,7 @@ from ._strategy import LeafLayouts as LeafLayouts
 from ._strategy import Strategy as Strategy
 from ._strategy import active_strategy as active_strategy
 from ._strategy import constrain as constrain
+from ._strategy import constrain_with as constrain_with
 from ._strategy import use_strategy as use_strategy
 from ._train import TrainStep as TrainStep
 from ._train import make_train_step as make_train_step
@@ -35,6 +36,7 @@ __all__ = [
     "leaf_layouts",
     "path_str",
     "constrain",
+    "constrain_with",
     "use_strategy",
     "active_strategy",
     "make_train_step",

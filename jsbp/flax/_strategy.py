@@ -620,7 +620,12 @@ def constrain(x, names: Sequence[str | None] | None = None, *, sbp=None, grad_sb
     ``jax.jit``) it returns ``x`` unchanged, so the model runs anywhere.
 
     >>> h = constrain(self.ln1(x), ("batch", "seq", "embed"))  # doctest: +SKIP
+
+    Under ``constrain_with(fn)`` every call is ``fn(x, names, sbp=sbp, grad_sbp=grad_sbp)`` instead.
     """
+    replaced = getattr(_state, "constrain_with", None)
+    if replaced is not None:
+        return replaced(x, names, sbp=sbp, grad_sbp=grad_sbp)
     strategy = active_strategy()
     if strategy is None:
         return x
@@ -643,6 +648,20 @@ def constrain(x, names: Sequence[str | None] | None = None, *, sbp=None, grad_sb
         nd = normalise_nd(sbp, shape, strategy.placement, op="constrain")
     g = nd if isinstance(grad_sbp, str) and grad_sbp == "same" else grad_sbp
     return to_global(x, sbp=nd, grad_sbp=g)
+
+
+@contextlib.contextmanager
+def constrain_with(fn):
+    """Inside, every ``constrain(x, names, sbp=, grad_sbp=)`` call (the model's, the losses') is
+    ``fn(x, names, sbp=sbp, grad_sbp=grad_sbp)``: run a model written with ``constrain`` under
+    another partitioner, e.g. pinning each activation with ``jax.lax.with_sharding_constraint``
+    for GSPMD (``benchmarks/models.py``'s baselines). Per thread; nests."""
+    prev = getattr(_state, "constrain_with", None)
+    _state.constrain_with = fn
+    try:
+        yield fn
+    finally:
+        _state.constrain_with = prev
 
 
 @contextlib.contextmanager
