@@ -6,6 +6,10 @@
   Calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat`` ...) are inlined.
 * **values**: one per variable of the inlined program; a value's layout is its producer's chosen
   output nd-sbp, or fixed (a program input or constant: the layout it arrives in; a literal: B).
+* **loops and branches**: a ``scan``'s or ``while``'s body and a ``cond``'s branches are part of
+  the problem (their values and work counted once per iteration); their boundary is *hold* nodes,
+  whose candidates are the layouts a loop keeps a constant, a carry (read on entry and given back
+  by the body in one layout) or a scanned input / output in.
 * **costs**, from one ``CostModel`` (``_cost``): converting a value to a layout its readers need
   costs the boxing planner's bytes per device plus ``latency_bytes`` per collective, once per
   (value, layout) however many readers share it; a node costs the work a device does under its
@@ -30,6 +34,7 @@ from ._boxing import conversion_cost
 from ._cost import DEFAULT_COST, CostModel, itemsize
 from ._errors import SbpError
 from ._layout import layout_of
+from ._program import WHILE_TRIPS, scan_counts
 from .rules import _registry
 from .rules._registry import RuleContext
 
@@ -144,6 +149,7 @@ class Value:
     producer: tuple | None = None  # (node, output index)
     uses: list = dataclasses.field(default_factory=list)  # (node, operand index)
     wants: list = dataclasses.field(default_factory=list)  # layouts asked of it as a program output
+    times: float = 1.0  # runs per step of its scope (a loop body's value: the trip count)
 
     @property
     def shape(self) -> tuple:
@@ -160,7 +166,7 @@ class Node:
     outputs: list  # per output: Value, or None for a dropped result
     compute: np.ndarray  # per candidate, in byte-equivalents
     rule: object = None
-    kind: str = "prim"  # prim | annotate
+    kind: str = "prim"  # prim | annotate | hold (a loop's or branch's boundary: no equation)
 
 
 @dataclasses.dataclass(eq=False)
@@ -181,7 +187,7 @@ class Problem:
         ``latency_bytes`` per collective, local moves' small charges)."""
         if src == dst:
             return 0.0
-        return conversion_cost(
+        return val.times * conversion_cost(
             src,
             dst,
             val.shape,
@@ -281,8 +287,10 @@ def build(
     strict: bool = False,
 ) -> Problem:
     """The problem of ``jaxpr`` on ``placement``: inputs in ``in_layouts`` (Layouts), outputs
-    asked in ``out_nd`` (per output an nd-sbp or None). Raises ``Unsupported`` for a program with
-    a loop or a branch."""
+    asked in ``out_nd`` (per output an nd-sbp or None). A loop's body is part of the problem, its
+    values and work counted once per iteration (``WHILE_TRIPS`` for a ``while``), and its boundary
+    is nodes whose candidates are the layouts the loop holds a value in (``_boundary``); a
+    ``cond``'s branches likewise. Raises ``Unsupported`` for ``custom_linear_solve``."""
     from ._interop import requested_nd
 
     hier = placement.hierarchy
@@ -292,15 +300,122 @@ def build(
     cands_memo: dict = {}
     b = (B,) * placement.ndim
 
-    def new_value(aval, nd=None) -> Value:
-        val = Value(aval, nd=nd)
+    def new_value(aval, nd=None, times=1.0) -> Value:
+        val = Value(aval, nd=nd, times=times)
         values.append(val)
         return val
 
-    def read(v) -> Value:
+    def read(v, times=1.0) -> Value:
         if isinstance(v, jcore.Literal):
-            return new_value(v.aval, b)
+            return new_value(v.aval, b, times)
         return alias[v]
+
+    def add_node(node: Node, out_avals, times) -> int:
+        """Append ``node``, its reads recorded, and new values for its results (None: dropped)."""
+        u = len(nodes)
+        for i, val in enumerate(node.operands):
+            if val is not None:
+                val.uses.append((u, i))
+        for aval in out_avals:
+            if aval is None:
+                node.outputs.append(None)
+                continue
+            val = new_value(aval, times=times)
+            val.producer = (u, len(node.outputs))
+            node.outputs.append(val)
+        nodes.append(node)
+        return u
+
+    def hold(operands, aval, times, make=None, keep=None) -> int:
+        """A boundary node: the value(s) ``operands`` held in one layout ``L`` (every operand read in
+        ``L``), giving a value of ``aval`` in ``make(L)`` (default ``L``) that lives ``times``
+        times a step. ``keep(L)``: the layouts allowed (default all)."""
+        shape = tuple(operands[0].aval.shape)
+        lays = [nd for nd in layouts(shape, placement.ndim) if keep is None or keep(nd)]
+        cands = [((nd,) * len(operands), ((make or (lambda x: x))(nd),)) for nd in lays]
+        return add_node(
+            Node(None, cands, list(operands), [], np.zeros(len(cands)), kind="hold"), [aval], times
+        )
+
+    def scope(jx, consts, invals, times) -> list:
+        """Walk ``jx`` (fresh variables) with its inputs as ``invals``; its structure."""
+        for v, val in zip(jx.invars, invals):
+            alias[v] = val
+        sub: list = []
+        walk(jx, consts, sub, times)
+        return sub
+
+    def outvals(jx, times) -> list:
+        return [read(v, times) for v in jx.outvars]
+
+    def control(eqn, ins, out, times):
+        name, p = eqn.primitive.name, eqn.params
+        if name == "scan":
+            nc, nk = scan_counts(p)
+            trips = times * p["length"]
+            body, bconsts = fresh_vars(p["jaxpr"].jaxpr), p["jaxpr"].consts
+            ks = [hold([x], x.aval, trips) for x in ins[:nc]]
+            cs = [hold([x, None], x.aval, trips) for x in ins[nc : nc + nk]]
+            xs = [
+                hold(
+                    [x],
+                    bv.aval,
+                    trips,
+                    make=lambda nd: shift(nd, -1),
+                    keep=lambda nd: split_not(nd, 0),
+                )
+                for x, bv in zip(ins[nc + nk :], body.invars[nc + nk :])
+            ]
+            invals = [nodes[u].outputs[0] for u in ks + cs + xs]
+            sub = scope(body, bconsts, invals, trips)
+            outs = outvals(body, trips)
+            for u, val in zip(cs, outs[:nk]):
+                nodes[u].operands[1] = val
+                val.uses.append((u, 1))
+            ys = [
+                hold([val], o.aval, times, make=lambda nd: shift(nd, +1))
+                for val, o in zip(outs[nk:], eqn.outvars[nk:])
+            ]
+            results = [nodes[u].outputs[0] for u in cs + ys]
+            out.append(("scan", eqn, body, bconsts, sub, ks, cs, xs, ys))
+        elif name == "while":
+            cn, bn = p["cond_nconsts"], p["body_nconsts"]
+            trips = times * WHILE_TRIPS
+            cj, bj = fresh_vars(p["cond_jaxpr"].jaxpr), fresh_vars(p["body_jaxpr"].jaxpr)
+            cks = [hold([x], x.aval, trips) for x in ins[:cn]]
+            bks = [hold([x], x.aval, trips) for x in ins[cn : cn + bn]]
+            cs = [hold([x, None], x.aval, trips) for x in ins[cn + bn :]]
+            carry = [nodes[u].outputs[0] for u in cs]
+            csub = scope(
+                cj, p["cond_jaxpr"].consts, [nodes[u].outputs[0] for u in cks] + carry, trips
+            )
+            (pred,) = outvals(cj, trips)
+            pred.wants.append(b)
+            bsub = scope(
+                bj, p["body_jaxpr"].consts, [nodes[u].outputs[0] for u in bks] + carry, trips
+            )
+            for u, val in zip(cs, outvals(bj, trips)):
+                nodes[u].operands[1] = val
+                val.uses.append((u, 1))
+            results = carry
+            out.append(("while", eqn, (cj, csub, cks), (bj, bsub, bks), cs))
+        else:  # cond
+            idx = hold([ins[0]], ins[0].aval, times, keep=lambda nd: nd == b)
+            ops = [hold([x], x.aval, times) for x in ins[1:]]
+            branches = []
+            for closed in p["branches"]:
+                bj = fresh_vars(closed.jaxpr)
+                bsub = scope(bj, closed.consts, [nodes[u].outputs[0] for u in ops], times)
+                branches.append((bj, closed.consts, bsub, outvals(bj, times)))
+            rs = [
+                hold([br[3][i] for br in branches], o.aval, times)
+                for i, o in enumerate(eqn.outvars)
+            ]
+            results = [nodes[u].outputs[0] for u in rs]
+            out.append(("cond", eqn, idx, ops, [br[:3] for br in branches], rs))
+        for o, val in zip(eqn.outvars, results):
+            if not isinstance(o, jcore.DropVar):
+                alias[o] = val
 
     def candidates(eqn):
         try:
@@ -332,24 +447,27 @@ def build(
             hit = cands_memo[key] = (rule, cands, _work(eqn, cands, hier, model))
         return hit
 
-    def walk(jx, consts, out: list):
+    def walk(jx, consts, out: list, times=1.0):
         for v in jx.constvars[: len(consts)]:
-            alias[v] = new_value(v.aval, b)
+            alias[v] = new_value(v.aval, b, times)
         for eqn in jx.eqns:
             name = eqn.primitive.name
-            if name in ("scan", "while", "cond", "custom_linear_solve"):
+            if name == "custom_linear_solve":
                 raise Unsupported(name)
-            ins = [read(v) for v in eqn.invars]
+            ins = [read(v, times) for v in eqn.invars]
+            if name in ("scan", "while", "cond"):
+                control(eqn, ins, out, times)
+                continue
             if is_call(eqn):
                 inner, inner_consts = call_jaxpr(eqn)
                 inner = fresh_vars(inner)  # a helper traced once and called twice: two scopes
                 for v, val in zip(inner.invars, ins):
                     alias[v] = val
                 sub: list = []
-                walk(inner, inner_consts, sub)
+                walk(inner, inner_consts, sub, times)
                 for o, v in zip(eqn.outvars, inner.outvars):
                     if not isinstance(o, jcore.DropVar):
-                        alias[o] = read(v)
+                        alias[o] = read(v, times)
                 out.append(("call", eqn, inner, inner_consts, sub))
                 continue
             u = len(nodes)
@@ -373,18 +491,13 @@ def build(
                 node = Node(eqn, cands, [x], [], np.zeros(len(cands)), kind="annotate")
             else:
                 rule, cands, work = candidates(eqn)
-                node = Node(eqn, cands, ins, [], work, rule=rule)
-            for i, val in enumerate(ins):
-                val.uses.append((u, i))
-            for j, o in enumerate(eqn.outvars):
-                if isinstance(o, jcore.DropVar):
-                    node.outputs.append(None)
-                    continue
-                val = new_value(o.aval)
-                val.producer = (u, j)
-                alias[o] = val
-                node.outputs.append(val)
-            nodes.append(node)
+                node = Node(eqn, cands, ins, [], work * times, rule=rule)
+            add_node(
+                node, [None if isinstance(o, jcore.DropVar) else o.aval for o in eqn.outvars], times
+            )
+            for o, val in zip(eqn.outvars, node.outputs):
+                if val is not None:
+                    alias[o] = val
             out.append(("node", u))
 
     invars = []
@@ -398,6 +511,16 @@ def build(
         if want is not None:
             val.wants.append(tuple(want))
     return Problem(placement, model, nodes, values, invars, outvars, alias, structure=structure)
+
+
+def shift(nd, delta):
+    """``nd`` with every split dim moved by ``delta`` (a scanned value and its slice)."""
+    return tuple(_sbp.split(x.dim + delta) if x.is_split else x for x in nd)
+
+
+def split_not(nd, dim) -> bool:
+    """Whether ``nd`` leaves ``dim`` whole (a scanned dim must be: each iteration reads a slice)."""
+    return not any(x.is_split and x.dim == dim for x in nd)
 
 
 def fresh_vars(jaxpr):

@@ -156,12 +156,35 @@ def test_a_data_parallel_train_step_matches_one_device(new_planner):
     )
 
 
-def test_a_loop_is_not_expressed_yet():
-    """A ``scan`` is not part of the formulation yet: building says so (``Unsupported``)."""
-    xs = jsbp.tensor(rand(3, 4), placement=P4, sbp="S(1)")
+@pytest.mark.parametrize("plc", [P4, R22], ids=["4", "2x2"])
+def test_loops_and_branches_match_one_device(new_planner, plc):
+    """A ``scan`` (an RNN-like carry through a split weight, scanned inputs and outputs), a
+    ``fori_loop`` (a ``while``) and a ``cond``: their bodies are part of the problem; values as
+    plain JAX's on one device, compiled collectives as ``explain`` lists."""
+    xsv, wv, hv = rand(5, 8, 6), rand(6, 6) * 0.3, rand(8, 6)
+    first = ("S(0)",) + ("B",) * (plc.ndim - 1)
+    xs = jsbp.tensor(xsv, placement=plc, sbp=("B",) * (plc.ndim - 1) + ("S(2)",))
+    w = jsbp.tensor(wv, placement=plc, sbp=("B",) * (plc.ndim - 1) + ("S(1)",))
+    h = jsbp.tensor(hv, placement=plc, sbp=first)
 
-    def f(xs):
-        return jax.lax.scan(lambda c, x: (c + x.sum(), x * 2), jnp.zeros(()), xs)
+    def f(xs, w, h):
+        def step(c, x):
+            c = jnp.tanh(c @ w + x)
+            return c, c.sum(1)
 
-    with pytest.raises(_problem.Unsupported, match="scan"):
-        _problem_of(f, xs)
+        c, ys = jax.lax.scan(step, h, xs)
+        d = jax.lax.fori_loop(0, 3, lambda i, d: d * 0.5 + jnp.tanh(d @ w), c)
+        e = jax.lax.cond(ys.sum() > 0, lambda a: a @ w, lambda a: a * 2.0, d)
+        return c, ys, e
+
+    _run_and_check(f, (xs, w, h), jax.jit(f)(xsv, wv, hv), rtol=1e-4, atol=1e-5)
+
+
+def test_a_linear_solve_is_not_expressed_yet():
+    """``custom_linear_solve`` (``jnp.linalg.solve``) is not part of the formulation yet: building
+    says so (``Unsupported``)."""
+    a = jsbp.tensor(rand(4, 4) + 4 * np.eye(4, dtype=np.float32), placement=P4, sbp="B")
+    y = jsbp.tensor(rand(4), placement=P4, sbp="B")
+
+    with pytest.raises(_problem.Unsupported, match="custom_linear_solve"):
+        _problem_of(jnp.linalg.solve, a, y)
