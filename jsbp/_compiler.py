@@ -41,7 +41,7 @@ from ._boxing import COLLECTIVE_LATENCY_BYTES, plan, plan_cost, run_plan
 from ._combine import combine_collectives, run_group
 from ._errors import NoRuleWarning, SbpError
 from ._layout import Layout, layout_of
-from ._problem import call_jaxpr, fresh_vars, legal_signatures, one_partial_kind
+from ._problem import CALLS, call_jaxpr, fresh_vars, legal_signatures, one_partial_kind
 from ._program import (
     WHILE_TRIPS,
     Boxing,
@@ -1311,18 +1311,7 @@ _HIGHER_ORDER = {
     "jsbp_to_global": _infer_annotate,
     **dict.fromkeys(("reshard", "sharding_constraint"), _infer_sharding_request),
 }
-for _n in (
-    "jit",
-    "pjit",
-    "closed_call",
-    "core_call",
-    "custom_jvp_call",
-    "custom_vjp_call",
-    "custom_vjp_call_jaxpr",
-    "remat",
-    "checkpoint",
-    "custom_lin",
-):
+for _n in CALLS:
     _HIGHER_ORDER.setdefault(_n, _infer_call)
 
 
