@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from models import gemma as gm  # tests/models (pytest puts tests/ on sys.path)
+from models import param_values
 
 import jsbp
 import jsbp.flax as jflax
@@ -44,15 +45,6 @@ def _tx():
     return optax.adamw(1e-3, b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1)  # train.py's
 
 
-def _params(model):
-    return {
-        k: np.asarray(
-            v.get_value().numpy() if isinstance(v.get_value(), jsbp.GlobalTensor) else v.get_value()
-        )
-        for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-    }
-
-
 _REF: dict = {}
 
 
@@ -66,7 +58,7 @@ def _reference():
             step = jflax.make_train_step(gm.loss_fn, None)
             rngs = nnx.Rngs(dropout=1)
             _REF["losses"] = [float(step(model, opt, gm.batch(i), rngs)) for i in range(STEPS)]
-            _REF["params"] = _params(model)
+            _REF["params"] = param_values(model)
     return _REF
 
 
@@ -89,7 +81,7 @@ def test_gemma_sharded_trains_like_one_device(name):
         losses = [float(step(model, opt, gm.batch(i), rngs)) for i in range(STEPS)]
     assert len(_interop.UNTYPED) == before, _interop.UNTYPED
     np.testing.assert_allclose(losses, ref["losses"], rtol=TOL, atol=TOL)
-    got = _params(model)
+    got = param_values(model)
     worst = max(float(np.max(np.abs(got[k] - ref["params"][k]))) for k in got)
     assert worst <= TOL, worst
     assert len(step._cache) == 1  # SowConfig does not hash: found by ==, compiled once

@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from models import minigpt as mg  # tests/models (pytest puts tests/ on sys.path)
+from models import param_values
 
 import jsbp
 import jsbp.flax as jflax
@@ -40,15 +41,6 @@ def _loss(model, batch):
     return mg.loss_fn(model, batch)[0]
 
 
-def _params(model):
-    return {
-        k: np.asarray(
-            v.get_value().numpy() if isinstance(v.get_value(), jsbp.GlobalTensor) else v.get_value()
-        )
-        for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-    }
-
-
 _REF: dict = {}
 
 
@@ -60,7 +52,7 @@ def _reference():
             opt = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
             step = jflax.make_train_step(_loss, None)
             _REF["losses"] = [float(step(model, opt, mg.batch(i))) for i in range(STEPS)]
-            _REF["params"] = _params(model)
+            _REF["params"] = param_values(model)
     return _REF
 
 
@@ -84,7 +76,7 @@ def test_minigpt_trains_like_one_device(name):
     losses = [float(step(model, opt, mg.batch(i))) for i in range(STEPS)]
     assert len(_interop.UNTYPED) == before, _interop.UNTYPED  # the step traced typed, not refused
     np.testing.assert_allclose(losses, ref["losses"], rtol=TOL, atol=TOL)
-    got = _params(model)
+    got = param_values(model)
     diff = {k: float(np.max(np.abs(got[k] - ref["params"][k]))) for k in got}
     # the attention key bias has a zero gradient in exact arithmetic (softmax is invariant to a
     # per-query shift): its gradient is rounding noise on one device as on many, which Adam turns

@@ -49,3 +49,14 @@ def token_stream(seed: int, vocab: int, batch: int, seq: int):
 
 def load(name: str):
     return importlib.import_module(f"{__name__}.{name}")
+
+
+def param_values(model) -> dict:
+    """Every ``nnx.Param`` of ``model`` as NumPy, by path (a global tensor's logical value)."""
+    import jsbp
+
+    out = {}
+    for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        x = v.get_value()
+        out[k] = np.asarray(x.numpy() if isinstance(x, jsbp.GlobalTensor) else x)
+    return out
