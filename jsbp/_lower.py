@@ -113,6 +113,20 @@ def lower(prob: Problem, choice: list[int], jaxpr, consts, in_layouts, out_nd=No
                 steps.append(
                     Step(eqn, cur, list(sub_prog.out_layouts), [], sub=sub_prog, kind="call")
                 )
+            elif kind == "linear_solve":
+                _, eqn, inner, inner_consts, sub, reads = item
+                cur = [layout_of_var(v) for v in eqn.invars]
+                sub_prog = program(inner, inner_consts, [cur[i] for i in reads], sub, made)
+                steps.append(
+                    Step(
+                        eqn,
+                        cur,
+                        list(sub_prog.out_layouts),
+                        [],
+                        sub=(sub_prog, reads),
+                        kind="linear_solve",
+                    )
+                )
             elif kind == "scan":
                 _, eqn, body, bconsts, sub, ks, cs, xs, ys = item
                 nds = (

@@ -60,10 +60,6 @@ REQUESTS = frozenset({"jsbp_to_global", "reshard", "sharding_constraint"})
 """Layout requests: the value is boxed to the layout asked for (an identity on local shards)."""
 
 
-class Unsupported(Exception):
-    """The program holds a construct this formulation does not express yet (a loop, a branch)."""
-
-
 # -------------------------------------------------------------------------------------------
 # candidate signatures
 # -------------------------------------------------------------------------------------------
@@ -290,7 +286,7 @@ def build(
     asked in ``out_nd`` (per output an nd-sbp or None). A loop's body is part of the problem, its
     values and work counted once per iteration (``WHILE_TRIPS`` for a ``while``), and its boundary
     is nodes whose candidates are the layouts the loop holds a value in (``_boundary``); a
-    ``cond``'s branches likewise. Raises ``Unsupported`` for ``custom_linear_solve``."""
+    ``cond``'s branches likewise; a ``custom_linear_solve`` is a call of its ``solve`` jaxpr."""
     from ._interop import requested_nd
 
     hier = placement.hierarchy
@@ -452,9 +448,24 @@ def build(
             alias[v] = new_value(v.aval, b, times)
         for eqn in jx.eqns:
             name = eqn.primitive.name
-            if name == "custom_linear_solve":
-                raise Unsupported(name)
             ins = [read(v, times) for v in eqn.invars]
+            if name == "custom_linear_solve":
+                # its value is its ``solve`` jaxpr applied to the right-hand side: a call of that
+                # jaxpr on the operands it reads (its constants and the right-hand side); JAX has
+                # already written gradients' transposed solves as further such equations
+                lens = eqn.params["const_lengths"]
+                start, n_consts = lens.matvec + lens.vecmat, sum(lens)
+                reads = list(range(start, start + lens.solve)) + list(
+                    range(n_consts, len(eqn.invars))
+                )
+                closed = eqn.params["jaxprs"].solve
+                inner = fresh_vars(closed.jaxpr)
+                sub = scope(inner, closed.consts, [ins[i] for i in reads], times)
+                for o, v in zip(eqn.outvars, inner.outvars):
+                    if not isinstance(o, jcore.DropVar):
+                        alias[o] = read(v, times)
+                out.append(("linear_solve", eqn, inner, closed.consts, sub, reads))
+                continue
             if name in ("scan", "while", "cond"):
                 control(eqn, ins, out, times)
                 continue

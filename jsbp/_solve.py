@@ -13,15 +13,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ._problem import Problem
 
-EXACT_MAX_VARS = 20_000
-"""Largest number of variables (x + y + z) solved exactly; larger problems use local search."""
+EXACT_MAX_VARS = 3_000
+"""Largest MILP (variables x + y + z) ``solve`` hands to ``exact``; larger problems are
+eliminated (``eliminate``)."""
 
-EXACT_TIME_LIMIT_S = 10.0
-"""Seconds HiGHS may take; past them its best assignment so far is kept if cheaper."""
+EXACT_TIME_LIMIT_S = 2.0
+"""Seconds HiGHS may take on one MILP before its answer is dropped (``exact``) or its best so far
+compared with min-sum's (``_core_exact``)."""
+
+CORE_EXACT_MAX_VARS = 60_000
+"""Largest MILP (candidates + joint candidates of the edges) over the nodes ``eliminate`` leaves
+that is solved exactly; larger ones keep min-sum's answer."""
 
 SWEEPS = 8
 """Most local-search sweeps over the nodes."""
@@ -79,15 +87,11 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
     return choice
 
 
-def _exact(
-    prob: Problem,
-    time_limit: float = EXACT_TIME_LIMIT_S,
-    choice: list[int] | None = None,
-    free: set | None = None,
+def exact(
+    prob: Problem, max_vars: float = np.inf, time_limit: float = EXACT_TIME_LIMIT_S
 ) -> list[int] | None:
-    """The optimum by ``scipy.optimize.milp``; None if the problem is too large or HiGHS finds no
-    assignment in time. With ``choice`` and ``free``: only the nodes in ``free`` choose, the others
-    keep ``choice`` (the conversions among kept nodes alone are left out: they do not change)."""
+    """The optimum of ``Problem.cost`` by ``scipy.optimize.milp``; None if the MILP would have
+    more than ``max_vars`` variables or HiGHS does not prove an optimum in ``time_limit``."""
     try:
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_matrix
@@ -99,11 +103,6 @@ def _exact(
     cost = [float(c) for n in nodes for c in n.compute]
     integ = [1] * nx
     lo, hi = [0.0] * nx, [1.0] * nx
-    if free is not None:  # kept nodes: their candidate fixed to 1, the others to 0
-        for u, n in enumerate(nodes):
-            if u not in free:
-                for c in range(len(n.cands)):
-                    lo[int(base[u]) + c] = hi[int(base[u]) + c] = 1.0 if c == choice[u] else 0.0
     rows, cols, vals, rlo, rhi = [], [], [], [], []
     r = 0
 
@@ -128,12 +127,6 @@ def _exact(
         row([(int(base[u]) + c, 1.0) for c in range(len(n.cands))], 1.0, 1.0)
     for val in prob.values:
         if not val.uses and not val.wants:
-            continue
-        if (
-            free is not None
-            and not (val.producer is not None and val.producer[0] in free)
-            and not any(u in free for u, _ in val.uses)
-        ):
             continue
         targets: dict = {}
         for u, i in val.uses:
@@ -165,10 +158,8 @@ def _exact(
                     continue
                 z = new_var(c, False)  # z >= a_s + y - 1
                 row([(z, 1.0), (y, -1.0)] + [(x, -1.0) for x in xs], -1.0, np.inf)
-        if len(cost) > EXACT_MAX_VARS:
+        if len(cost) > max_vars:
             return None
-    if len(cost) > EXACT_MAX_VARS:
-        return None
     a = coo_matrix((vals, (rows, cols)), shape=(r, len(cost))).tocsr()
     res = milp(
         np.array(cost),
@@ -177,45 +168,292 @@ def _exact(
         bounds=Bounds(lo, hi),
         options={"time_limit": time_limit, "disp": False},
     )
-    if res.x is None:
+    if res.status != 0:
         return None
     x = res.x[:nx]
     return [int(np.argmax(x[base[u] : base[u + 1]])) for u in range(len(nodes))]
 
 
-WINDOW = 120
-"""Nodes solved exactly at once by ``windows`` (consecutive in program order)."""
+class _Tables:
+    """Conversion costs of the values of ``prob`` as matrices over layouts, one per (shape,
+    dtype), filled as they are read (``Problem.conversion`` once per pair of layouts), scaled by
+    each value's ``times``."""
 
-WINDOW_TIME_LIMIT_S = 3.0
-"""Seconds HiGHS may take on one window (its best assignment so far is kept if cheaper)."""
+    def __init__(self, prob: Problem):
+        self.prob = prob
+        self.by_kind: dict = {}  # (shape, dtype) -> [index dict, table, a value of that kind]
+
+    def of(self, val):
+        key = (val.shape, val.aval.dtype)
+        entry = self.by_kind.get(key)
+        if entry is None:
+            entry = self.by_kind[key] = [{}, np.full((0, 0), np.nan), val]
+        lays = entry[0]
+
+        def index(nd):
+            k = lays.get(nd)
+            if k is None:
+                k = lays[nd] = len(lays)
+            return k
+
+        def sub(rows, cols):
+            n = len(lays)
+            if entry[1].shape[0] < n:
+                grown = np.full((2 * n, 2 * n), np.nan)
+                grown[: entry[1].shape[0], : entry[1].shape[1]] = entry[1]
+                entry[1] = grown
+            table = entry[1]
+            block = table[np.ix_(rows, cols)]
+            if np.isnan(block).any():
+                nds = list(lays)
+                proto = dataclasses.replace(entry[2], times=1.0)
+                for a in np.unique(rows):
+                    for b in np.unique(cols):
+                        if np.isnan(table[a, b]):
+                            table[a, b] = self.prob.conversion(proto, nds[a], nds[b])
+                block = table[np.ix_(rows, cols)]
+            return block * val.times
+
+        return index, sub
 
 
-def windows(prob: Problem, choice: list[int], size: int = WINDOW, rounds: int = 1) -> list[int]:
-    """Large-neighbourhood search: windows of ``size`` consecutive nodes (half overlapping) each
-    solved exactly with the rest held, kept where ``Problem.cost`` drops; ``rounds`` passes."""
-    choice = list(choice)
-    cost = prob.cost(choice)
-    n = len(prob.nodes)
-    for _ in range(rounds):
-        improved = False
-        for start in range(0, max(n - size // 2, 1), size // 2):
-            free = set(range(start, min(start + size, n)))
-            got = _exact(prob, WINDOW_TIME_LIMIT_S, choice, free)
-            if got is None:
-                continue
-            c = prob.cost(got)
-            if c < cost - 1e-6:
-                choice, cost, improved = got, c, True
-        if not improved:
+def _pairwise(prob: Problem):
+    """The problem as unary costs per node and cost matrices per pair of nodes (a pairwise model),
+    for ``eliminate``. A value read by one node is an edge from its producer to that node; a value
+    read by several (or asked as an output as well) gets a *hub*: an extra node choosing the one
+    layout the value is converted to first, each reader converting from there. Exact where the
+    readers agree (one conversion, paid once); otherwise an upper bound of ``Problem.cost``."""
+    nodes = prob.nodes
+    unary = [np.asarray(n.compute, dtype=float).copy() for n in nodes]
+    adj: list[dict] = [{} for _ in nodes]
+    tables = _Tables(prob)
+
+    def edge(u, w, m):
+        adj[u][w] = adj[u][w] + m if w in adj[u] else m
+        adj[w][u] = adj[u][w].T
+
+    for val in prob.values:
+        if not val.uses and not val.wants:
+            continue
+        readers: dict = {}  # node -> its operand indices reading val
+        for u, i in val.uses:
+            readers.setdefault(u, []).append(i)
+        index, sub = tables.of(val)
+
+        def idx(nds, index=index):
+            return np.array([index(nd) for nd in nds], dtype=np.intp)
+
+        if val.producer is None:
+            p, src = None, idx([val.nd])
+        else:
+            p, j = val.producer
+            src = idx([outs[j] for _, outs in nodes[p].cands])
+        asked = {
+            u: [idx([ins[i] for ins, _ in nodes[u].cands]) for i in dict.fromkeys(ii)]
+            for u, ii in readers.items()
+        }
+        want = idx(val.wants)
+        every = np.unique(np.concatenate([src, want, *(c for cs in asked.values() for c in cs)]))
+
+        def reads(u, rows, asked=asked, sub=sub):  # (rows, u's candidates): to what u reads
+            cols = asked[u]
+            m = sub(rows, cols[0])
+            for k in range(1, len(cols)):  # two operands reading val: a second layout only
+                extra = sub(rows, cols[k])
+                m = m + np.where(cols[k][None, :] == cols[0][None, :], 0.0, extra)
+            return m
+
+        if p is None and len(readers) <= 1:
+            for u in readers:
+                unary[u] += reads(u, src)[0]
+            continue
+        if p is not None and len(readers) + bool(val.wants) <= 1:
+            if val.wants:
+                unary[p] += sub(src, want).sum(1)
+            for u in readers:
+                edge(p, u, reads(u, src))
+            continue
+        h = len(unary)
+        unary.append(sub(every, want).sum(1) + (sub(src, every)[0] if p is None else 0.0))
+        adj.append({})
+        if p is not None:
+            edge(p, h, sub(src, every))
+        for u in readers:
+            edge(h, u, reads(u, every))
+    return unary, adj
+
+
+MIN_SUM_ROUNDS = 40
+"""Rounds of min-sum message passing on the nodes elimination leaves."""
+
+
+def _energy(core, unary, adj, choice) -> float:
+    total = sum(float(unary[u][choice[u]]) for u in core)
+    return total + sum(float(m[choice[u], choice[w]]) for u in core for w, m in adj[u].items() if u < w)
+
+
+def _icm(core, unary, adj, choice) -> dict:
+    """Iterated conditional modes: each node in turn to its best candidate, the others held."""
+    for _ in range(SWEEPS * 4):
+        changed = False
+        for u in core:
+            tot = unary[u].copy()
+            for w, m in adj[u].items():
+                tot += m[:, choice[w]]
+            c = int(np.argmin(tot))
+            if tot[c] < tot[choice[u]] - 1e-9:
+                choice[u], changed = c, True
+        if not changed:
             break
     return choice
 
 
+def _core_exact(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dict | None:
+    """The pairwise model on ``core`` solved by ``scipy.optimize.milp``: a binary per candidate
+    (one per node) and, per edge, the joint of its two ends' candidates (``mu[a, b]``, summing to
+    each end's choice: the local-polytope formulation). None when larger than
+    ``CORE_EXACT_MAX_VARS`` or HiGHS finds nothing in ``time_limit``."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    edges = [(u, w, m) for u in core for w, m in adj[u].items() if u < w]
+    if not core:
+        return {}
+    base, nvar = {}, 0
+    for u in core:
+        base[u] = nvar
+        nvar += len(unary[u])
+    n = nvar + sum(m.size for _, _, m in edges)
+    if n > CORE_EXACT_MAX_VARS:
+        return None
+    cost = [np.asarray(unary[u], dtype=float) for u in core]
+    rows = [np.repeat(np.arange(len(core)), [len(unary[u]) for u in core])]
+    cols = [np.arange(nvar)]
+    vals = [np.ones(nvar)]
+    r, e0 = len(core), nvar
+    for u, w, m in edges:
+        cu, cw = m.shape
+        cost.append(m.ravel())
+        mu = e0 + np.arange(cu * cw).reshape(cu, cw)
+        # sum_b mu[a, b] - x[u, a] = 0 (rows r .. r+cu), sum_a mu[a, b] - x[w, b] = 0 (the next cw)
+        rows += [r + np.repeat(np.arange(cu), cw), r + cu + np.tile(np.arange(cw), cu)]
+        cols += [mu.ravel(), mu.ravel()]
+        vals += [np.ones(cu * cw), np.ones(cu * cw)]
+        rows += [r + np.arange(cu), r + cu + np.arange(cw)]
+        cols += [base[u] + np.arange(cu), base[w] + np.arange(cw)]
+        vals += [-np.ones(cu), -np.ones(cw)]
+        r += cu + cw
+        e0 += cu * cw
+    a = coo_matrix(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n)
+    ).tocsr()
+    lo = np.zeros(r)
+    lo[: len(core)] = 1.0
+    res = milp(
+        np.concatenate(cost),
+        constraints=[LinearConstraint(a, lo, lo)],
+        integrality=np.concatenate([np.ones(nvar), np.zeros(n - nvar)]),
+        bounds=Bounds(np.zeros(n), np.ones(n)),
+        options={"time_limit": time_limit, "disp": False},
+    )
+    if res.x is None:
+        return None
+    return {u: int(np.argmax(res.x[base[u] : base[u] + len(unary[u])])) for u in core}
+
+
+def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.5) -> dict:
+    """A candidate per node of ``core`` (the pairwise model left after elimination): min-sum
+    belief propagation (damped), each round's decoding polished by ``_icm``, the cheapest kept."""
+    msgs = {(u, w): np.zeros(len(unary[w])) for u in core for w in adj[u]}
+    best, best_e = None, np.inf
+    for _ in range(rounds):
+        belief = {u: unary[u] + sum((msgs[(k, u)] for k in adj[u]), 0.0) for u in core}
+        choice = {u: int(np.argmin(b)) for u, b in belief.items()}
+        e = _energy(core, unary, adj, choice)
+        if e < best_e - 1e-9:
+            best, best_e = choice, e
+        new = {}
+        for u in core:
+            for w, m in adj[u].items():
+                msg = (m + (belief[u] - msgs[(w, u)])[:, None]).min(0)
+                msg -= msg.min()
+                new[(u, w)] = damping * msgs[(u, w)] + (1.0 - damping) * msg
+        msgs = new
+    if best is None:
+        best = {u: int(np.argmin(unary[u])) for u in core}
+    return _icm(core, unary, adj, best)
+
+
+CHAIN_MAX = 1 << 22
+"""Largest ``C1 * C * C2`` table a chain elimination builds (floats), else the node stays."""
+
+
+def eliminate(prob: Problem) -> list[int]:
+    """Graph elimination on the pairwise model (``_pairwise``), as OneFlow's SBP graph does: a
+    node with one neighbour folds into it (its best candidate per the neighbour's), a node with two
+    becomes an edge between them (parallel edges add up); what is left, nodes of three or more
+    neighbours, is solved by iterated conditional modes from the cheapest candidates; then the
+    eliminated nodes take their recorded best candidates, last eliminated first."""
+    unary, adj = _pairwise(prob)
+    n = len(unary)
+    alive = [True] * n
+    record: list = []
+    queue = [u for u in range(n) if len(adj[u]) <= 2]
+    while queue:
+        u = queue.pop()
+        if not alive[u] or len(adj[u]) > 2:
+            continue
+        nb = list(adj[u])
+        if len(nb) == 0:
+            record.append((u, None, None, None))
+        elif len(nb) == 1:
+            (w,) = nb
+            tot = adj[w][u] + unary[u][None, :]
+            record.append((u, w, None, tot.argmin(1)))
+            unary[w] = unary[w] + tot.min(1)
+            del adj[w][u]
+            if len(adj[w]) <= 2:
+                queue.append(w)
+        else:
+            w1, w2 = nb
+            m1, m2 = adj[w1][u], adj[u][w2]
+            if m1.shape[0] * m1.shape[1] * m2.shape[1] > CHAIN_MAX:
+                continue
+            tot = m1[:, :, None] + unary[u][None, :, None] + m2[None, :, :]
+            record.append((u, w1, w2, tot.argmin(1)))
+            best = tot.min(1)
+            del adj[w1][u], adj[w2][u]
+            adj[w1][w2] = adj[w1][w2] + best if w2 in adj[w1] else best
+            adj[w2][w1] = adj[w1][w2].T
+            for w in (w1, w2):
+                if len(adj[w]) <= 2:
+                    queue.append(w)
+        alive[u] = False
+        adj[u] = {}
+    choice = [0] * n
+    core = [u for u in range(n) if alive[u]]
+    got = _min_sum(core, unary, adj)
+    opt = _core_exact(core, unary, adj)
+    if opt is not None and _energy(core, unary, adj, opt) < _energy(core, unary, adj, got):
+        got = opt
+    for u, c in got.items():
+        choice[u] = c
+    for u, w1, w2, arg in reversed(record):
+        if w1 is None:
+            choice[u] = int(np.argmin(unary[u]))
+        elif w2 is None:
+            choice[u] = int(arg[choice[w1]])
+        else:
+            choice[u] = int(arg[choice[w1], choice[w2]])
+    return choice[: len(prob.nodes)]
+
+
 def solve(prob: Problem) -> list[int]:
-    """The cheapest assignment found: exact where the whole problem is small; else greedy, local
-    search, then windows solved exactly (the cheapest by ``Problem.cost`` is kept)."""
-    start = local_search(prob, greedy(prob))
-    exact = _exact(prob)
-    if exact is not None:
-        return exact if prob.cost(exact) < prob.cost(start) else start
-    return windows(prob, start)
+    """The cheapest assignment found: the exact optimum where the problem is small
+    (``EXACT_MAX_VARS``); else elimination (``eliminate``) and the greedy start, each polished by
+    local search on ``Problem.cost``, the cheaper kept."""
+    best = exact(prob, max_vars=EXACT_MAX_VARS)
+    if best is not None:
+        return best
+    tries = [local_search(prob, eliminate(prob)), local_search(prob, greedy(prob))]
+    return min(tries, key=prob.cost)

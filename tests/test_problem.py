@@ -80,7 +80,7 @@ def test_exact_solver_finds_the_least_cost_of_every_assignment(name):
     sizes = [len(n.cands) for n in prob.nodes]
     assert 0 < np.prod(sizes, dtype=float) <= 200_000, sizes
     best = min(prob.cost(list(c)) for c in itertools.product(*(range(k) for k in sizes)))
-    exact = _solve._exact(prob)
+    exact = _solve.exact(prob)
     assert exact is not None
     assert prob.cost(exact) == pytest.approx(best, rel=1e-9, abs=1e-6)
     start = _solve.greedy(prob)
@@ -180,11 +180,16 @@ def test_loops_and_branches_match_one_device(new_planner, plc):
     _run_and_check(f, (xs, w, h), jax.jit(f)(xsv, wv, hv), rtol=1e-4, atol=1e-5)
 
 
-def test_a_linear_solve_is_not_expressed_yet():
-    """``custom_linear_solve`` (``jnp.linalg.solve``) is not part of the formulation yet: building
-    says so (``Unsupported``)."""
-    a = jsbp.tensor(rand(4, 4) + 4 * np.eye(4, dtype=np.float32), placement=P4, sbp="B")
-    y = jsbp.tensor(rand(4), placement=P4, sbp="B")
+@pytest.mark.parametrize("sbp", ["B", "S(0)"])
+def test_a_linear_solve_is_a_call_of_its_solve(new_planner, sbp):
+    """``custom_linear_solve`` (``jnp.linalg.solve`` and its gradient) is planned as a call of its
+    ``solve`` jaxpr on the operands that jaxpr reads; values match one device."""
+    av = rand(4, 4) + 4 * np.eye(4, dtype=np.float32)
+    yv = rand(4, 3)
+    a = jsbp.tensor(av, placement=P4, sbp="B")
+    y = jsbp.tensor(yv, placement=P4, sbp=sbp)
 
-    with pytest.raises(_problem.Unsupported, match="custom_linear_solve"):
-        _problem_of(jnp.linalg.solve, a, y)
+    def f(a, y):
+        return jax.grad(lambda a: (jnp.linalg.solve(a, y) ** 2).sum())(a), jnp.linalg.solve(a, y)
+
+    _run_and_check(f, (a, y), jax.jit(f)(av, yv), rtol=1e-4, atol=1e-5)
