@@ -172,7 +172,6 @@ def _best(src, dst, ndim, hierarchy, total, frontier=None):
 
 
 @functools.lru_cache(maxsize=1 << 16)
-@functools.lru_cache(maxsize=1 << 18)
 def conversion_cost(
     src: tuple,
     dst: tuple,
@@ -196,6 +195,18 @@ def conversion_cost(
         for a in mv.axes:
             state[a] = mv.dst
     return cost
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def conversion_collectives(
+    src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int
+) -> tuple:
+    """The collectives the conversion ``plan`` runs, as (kind, axes) pairs."""
+    if src == dst:
+        return ()
+    total = float(math.prod(shape) * itemsize)
+    _, path = _best(src, dst, len(shape), hierarchy, total)
+    return tuple((mv.collective, tuple(mv.axes)) for mv in path if mv.collective)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -30,7 +30,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import _sbp
-from ._boxing import conversion_cost
+from ._boxing import conversion_collectives, conversion_cost
 from ._cost import DEFAULT_COST, CostModel, itemsize
 from ._errors import SbpError
 from ._layout import layout_of
@@ -146,6 +146,7 @@ class Value:
     uses: list = dataclasses.field(default_factory=list)  # (node, operand index)
     wants: list = dataclasses.field(default_factory=list)  # layouts asked of it as a program output
     times: float = 1.0  # runs per step of its scope (a loop body's value: the trip count)
+    deferrable: bool = False  # its collectives run combined with the others' (``deferrable``)
 
     @property
     def shape(self) -> tuple:
@@ -178,19 +179,30 @@ class Problem:
     # inlined jaxpr with fresh variables, its constants, its own structure)
     structure: list = dataclasses.field(default_factory=list, repr=False)
 
-    def conversion(self, val: Value, src: tuple, dst: tuple) -> float:
+    # the part of a latency a deferrable value's conversion is charged by ``conversion`` (the
+    # solver's estimate of sharing it; ``cost`` counts one latency per combined collective)
+    share: float = 1.0
+    # the combined collectives (kind, axes) that charge ``share``; None: all of them (the others
+    # charge a whole latency: joining a collective the plan has costs less than opening one)
+    joined: frozenset | None = None
+
+    def conversion(self, val: Value, src: tuple, dst: tuple, share: float | None = None) -> float:
         """Boxing ``val`` from ``src`` to ``dst`` (``_boxing.conversion_cost``: bytes per device,
-        ``latency_bytes`` per collective, local moves' small charges)."""
+        ``latency_bytes`` per collective, local moves' small charges), ``val.times`` times; a
+        deferrable value's collectives at ``share`` of a latency (default ``self.share``)."""
         if src == dst:
             return 0.0
-        return val.times * conversion_cost(
-            src,
-            dst,
-            val.shape,
-            self.placement.hierarchy,
-            itemsize(val.aval.dtype),
-            self.model.latency_bytes,
-        )
+        latency = self.model.latency_bytes
+        hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
+        if not val.deferrable:
+            return val.times * conversion_cost(src, dst, val.shape, hier, size, latency)
+        if share is not None or self.joined is None:
+            latency *= self.share if share is None else share
+            return val.times * conversion_cost(src, dst, val.shape, hier, size, latency)
+        cost = conversion_cost(src, dst, val.shape, hier, size, 0.0)
+        for k in conversion_collectives(src, dst, val.shape, hier, size):
+            cost += latency * (self.share if k in self.joined else 1.0)
+        return val.times * cost
 
     def layout(self, val: Value, choice) -> tuple:
         if val.producer is None:
@@ -204,14 +216,27 @@ class Problem:
         out.update(val.wants)
         return out
 
-    def value_cost(self, val: Value, choice) -> float:
+    def value_cost(self, val: Value, choice, share: float | None = None) -> float:
         src = self.layout(val, choice)
-        return sum(self.conversion(val, src, t) for t in self.wanted(val, choice))
+        return sum(self.conversion(val, src, t, share) for t in self.wanted(val, choice))
+
+    def groups(self, val: Value, choice) -> set:
+        """The combined collectives a deferrable ``val``'s conversions join: (kind, axes)."""
+        src = self.layout(val, choice)
+        hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
+        return {
+            g
+            for t in self.wanted(val, choice)
+            for g in conversion_collectives(src, t, val.shape, hier, size)
+        }
 
     def cost(self, choice) -> float:
-        """The objective of ``choice`` (one candidate index per node)."""
+        """The objective of ``choice`` (one candidate index per node), as the program runs: work,
+        conversions, and one latency per combined collective of the deferrable values."""
         total = sum(float(n.compute[c]) for n, c in zip(self.nodes, choice))
-        return total + sum(self.value_cost(v, choice) for v in self.values)
+        total += sum(self.value_cost(v, choice, 0.0) for v in self.values)
+        groups = set().union(*(self.groups(v, choice) for v in self.values if v.deferrable))
+        return total + self.model.latency_bytes * len(groups)
 
 
 def flops(eqn) -> float:
@@ -521,7 +546,34 @@ def build(
     for val, want in zip(outvars, out_nd or ()):
         if want is not None:
             val.wants.append(tuple(want))
+    deferrable(nodes, values)
     return Problem(placement, model, nodes, values, invars, outvars, alias, structure=structure)
+
+
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def deferrable(nodes, values) -> None:
+    """Mark the values whose conversions run as one combined collective: those from which no
+    contraction (``CONTRACTIONS``), loop or branch can be reached, outside loops (a weight
+    gradient on its way through the optimizer to the outputs; a loss). Nothing downstream of them
+    waits for a collective's result, so ``_combine`` puts their collectives of one kind in one
+    group: ``Problem.cost`` charges one latency per group, not per conversion."""
+    blocks = [False] * len(nodes)  # whether a contraction, loop or branch is reachable from u
+    for u in range(len(nodes) - 1, -1, -1):
+        n = nodes[u]
+        blocks[u] = (
+            n.kind == "hold"
+            or (n.eqn is not None and n.eqn.primitive.name in CONTRACTIONS)
+            or any(val is not None and any(blocks[w] for w, _ in val.uses) for val in n.outputs)
+        )
+    late = [
+        val
+        for val in values
+        if val.times == 1.0 and (val.uses or val.wants) and not any(blocks[w] for w, _ in val.uses)
+    ]
+    for val in late:
+        val.deferrable = True
 
 
 def shift(nd, delta):

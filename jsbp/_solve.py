@@ -17,6 +17,8 @@ import dataclasses
 
 import numpy as np
 
+from ._boxing import conversion_collectives
+from ._cost import itemsize
 from ._problem import Problem
 
 EXACT_MAX_VARS = 3_000
@@ -35,52 +37,46 @@ SWEEPS = 8
 """Most local-search sweeps over the nodes."""
 
 
-def greedy(prob: Problem) -> list[int]:
-    """Each node in program order takes the candidate of least compute plus conversions of its
-    operands from the layouts they have (a conversion already made for an earlier reader is free)."""
-    choice = [0] * len(prob.nodes)
-    made: dict = {}  # id(value) -> layouts already converted to
-    for u, n in enumerate(prob.nodes):
-        srcs = [None if val is None else prob.layout(val, choice) for val in n.operands]
-        best, best_c = None, 0
-        for c, (ins, _) in enumerate(n.cands):
-            cost = float(n.compute[c])
-            for val, src, t in zip(n.operands, srcs, ins):
-                if val is not None and t != src and t not in made.get(id(val), ()):
-                    cost += prob.conversion(val, src, t)
-            if best is None or cost < best - 1e-9:
-                best, best_c = cost, c
-        choice[u] = best_c
-        for val, t in zip(n.operands, n.cands[best_c][0]):
-            if val is not None:
-                made.setdefault(id(val), set()).add(t)
-    return choice
-
-
 def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list[int]:
-    """Move one node at a time to the candidate that lowers ``Problem.cost`` most (its compute and
-    the conversions of the values it reads and makes), until a sweep changes nothing."""
+    """Move one node at a time to the candidate that lowers ``Problem.cost`` most (its compute,
+    the conversions of the values it reads and makes, and the combined collectives their
+    deferrable conversions join), until a sweep changes nothing."""
+    from collections import Counter
+
     choice = list(choice)
+    latency = prob.model.latency_bytes
+    groups = Counter()  # combined collective -> deferrable values joining it
+    for v in prob.values:
+        if v.deferrable:
+            groups.update(prob.groups(v, choice))
     for _ in range(sweeps):
         changed = False
         for u, n in enumerate(prob.nodes):
             if len(n.cands) < 2:
                 continue
-            touched = {id(v): v for v in (*n.operands, *n.outputs) if v is not None}.values()
+            touched = list({id(v): v for v in (*n.operands, *n.outputs) if v is not None}.values())
+            late = [v for v in touched if v.deferrable]
+            for v in late:  # the groups without the touched values
+                groups.subtract(prob.groups(v, choice))
 
-            def local(c, u=u, n=n, touched=touched):
+            def local(c, u=u, n=n, touched=touched, late=late):
                 choice[u] = c
-                return float(n.compute[c]) + sum(prob.value_cost(v, choice) for v in touched)
+                cost = float(n.compute[c]) + sum(prob.value_cost(v, choice, 0.0) for v in touched)
+                if late:
+                    joined = set().union(*(prob.groups(v, choice) for v in late))
+                    cost += latency * sum(1 for g in joined if groups[g] <= 0)
+                return cost
 
             cur = choice[u]
-            now = local(cur)
-            best, best_c = now, cur
+            best, best_c = local(cur), cur
             for c in range(len(n.cands)):
                 if c != cur:
                     cost = local(c)
                     if cost < best - 1e-6:
                         best, best_c = cost, c
             choice[u] = best_c
+            for v in late:
+                groups.update(prob.groups(v, choice))
             changed = changed or best_c != cur
         if not changed:
             break
@@ -125,6 +121,8 @@ def exact(
 
     for u, n in enumerate(nodes):
         row([(int(base[u]) + c, 1.0) for c in range(len(n.cands))], 1.0, 1.0)
+    hier = prob.placement.hierarchy
+    group: dict = {}  # combined collective (kind, axes) -> its binary (one latency if used)
     for val in prob.values:
         if not val.uses and not val.wants:
             continue
@@ -150,14 +148,21 @@ def exact(
             for s, xs in sources.items():
                 if s == t:
                     continue
-                c = prob.conversion(val, s, t)
-                if c == 0.0:
+                c = prob.conversion(val, s, t, 0.0 if val.deferrable else None)
+                joins = conversion_collectives(s, t, val.shape, hier, itemsize(val.aval.dtype))
+                if c == 0.0 and not (val.deferrable and joins):
                     continue
                 if xs is None:
                     cost[y] += c
-                    continue
-                z = new_var(c, False)  # z >= a_s + y - 1
-                row([(z, 1.0), (y, -1.0)] + [(x, -1.0) for x in xs], -1.0, np.inf)
+                    made = y
+                else:
+                    made = new_var(c, False)  # z >= a_s + y - 1
+                    row([(made, 1.0), (y, -1.0)] + [(x, -1.0) for x in xs], -1.0, np.inf)
+                if val.deferrable:  # the combined collectives it joins: g >= z
+                    for k in joins:
+                        if k not in group:
+                            group[k] = new_var(prob.model.latency_bytes, True)
+                        row([(group[k], 1.0), (made, -1.0)], 0.0, np.inf)
         if len(cost) > max_vars:
             return None
     a = coo_matrix((vals, (rows, cols)), shape=(r, len(cost))).tocsr()
@@ -184,7 +189,7 @@ class _Tables:
         self.by_kind: dict = {}  # (shape, dtype) -> [index dict, table, a value of that kind]
 
     def of(self, val):
-        key = (val.shape, val.aval.dtype)
+        key = (val.shape, val.aval.dtype, val.deferrable)
         entry = self.by_kind.get(key)
         if entry is None:
             entry = self.by_kind[key] = [{}, np.full((0, 0), np.nan), val]
@@ -206,7 +211,7 @@ class _Tables:
             block = table[np.ix_(rows, cols)]
             if np.isnan(block).any():
                 nds = list(lays)
-                proto = dataclasses.replace(entry[2], times=1.0)
+                proto = dataclasses.replace(entry[2], times=1.0)  # (the same shape and share)
                 for a in np.unique(rows):
                     for b in np.unique(cols):
                         if np.isnan(table[a, b]):
@@ -289,7 +294,9 @@ MIN_SUM_ROUNDS = 40
 
 def _energy(core, unary, adj, choice) -> float:
     total = sum(float(unary[u][choice[u]]) for u in core)
-    return total + sum(float(m[choice[u], choice[w]]) for u in core for w, m in adj[u].items() if u < w)
+    return total + sum(
+        float(m[choice[u], choice[w]]) for u in core for w, m in adj[u].items() if u < w
+    )
 
 
 def _icm(core, unary, adj, choice) -> dict:
@@ -356,7 +363,7 @@ def _core_exact(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dic
         bounds=Bounds(np.zeros(n), np.ones(n)),
         options={"time_limit": time_limit, "disp": False},
     )
-    if res.x is None:
+    if res.status != 0:
         return None
     return {u: int(np.argmax(res.x[base[u] : base[u] + len(unary[u])])) for u in core}
 
@@ -432,10 +439,9 @@ def eliminate(prob: Problem) -> list[int]:
         adj[u] = {}
     choice = [0] * n
     core = [u for u in range(n) if alive[u]]
-    got = _min_sum(core, unary, adj)
-    opt = _core_exact(core, unary, adj)
-    if opt is not None and _energy(core, unary, adj, opt) < _energy(core, unary, adj, got):
-        got = opt
+    got = _core_exact(core, unary, adj)
+    if got is None:
+        got = _min_sum(core, unary, adj)
     for u, c in got.items():
         choice[u] = c
     for u, w1, w2, arg in reversed(record):
@@ -450,10 +456,21 @@ def eliminate(prob: Problem) -> list[int]:
 
 def solve(prob: Problem) -> list[int]:
     """The cheapest assignment found: the exact optimum where the problem is small
-    (``EXACT_MAX_VARS``); else elimination (``eliminate``) and the greedy start, each polished by
-    local search on ``Problem.cost``, the cheaper kept."""
+    (``EXACT_MAX_VARS``); else elimination (``eliminate``) three times, the cheapest answer by
+    ``Problem.cost`` polished by local search: deferrable conversions charged a whole latency
+    each; then a share of one (one over their number) where they join a combined collective that
+    first plan has, a whole one where they open another; then a share anywhere."""
     best = exact(prob, max_vars=EXACT_MAX_VARS)
     if best is not None:
         return best
-    tries = [local_search(prob, eliminate(prob)), local_search(prob, greedy(prob))]
-    return min(tries, key=prob.cost)
+    late = [v for v in prob.values if v.deferrable]
+    first = eliminate(prob)
+    tries = [first]
+    if late:
+        prob.share = 1.0 / len(late)
+        prob.joined = frozenset().union(*(prob.groups(v, first) for v in late))
+        tries.append(eliminate(prob))
+        prob.joined = None
+        tries.append(eliminate(prob))
+        prob.share = 1.0
+    return local_search(prob, min(tries, key=prob.cost))

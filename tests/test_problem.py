@@ -72,8 +72,9 @@ _SMALL = {  # name: (fn, argument shapes, placement, input nd-sbps, out_sbp)
 
 @pytest.mark.parametrize("name", list(_SMALL))
 def test_exact_solver_finds_the_least_cost_of_every_assignment(name):
-    """Small programs: the MILP's answer costs what the best of all assignments costs, and the
-    greedy start plus local search never costs more than the greedy start."""
+    """Small programs: the MILP's answer and elimination's (its core solved exactly, then local
+    search) cost what the best of all assignments costs (``Problem.cost``: conversions, work, and
+    one latency per combined collective of the deferrable values)."""
     fn, shapes, plc, nds, out_sbp = _SMALL[name]
     args = [jsbp.tensor(rand(*s), placement=plc, sbp=nd) for s, nd in zip(shapes, nds)]
     prob = _problem_of(fn, *args, out_sbp=out_sbp)
@@ -83,8 +84,8 @@ def test_exact_solver_finds_the_least_cost_of_every_assignment(name):
     exact = _solve.exact(prob)
     assert exact is not None
     assert prob.cost(exact) == pytest.approx(best, rel=1e-9, abs=1e-6)
-    start = _solve.greedy(prob)
-    assert prob.cost(_solve.local_search(prob, start)) <= prob.cost(start) + 1e-6
+    eliminated = _solve.local_search(prob, _solve.eliminate(prob))
+    assert prob.cost(eliminated) == pytest.approx(best, rel=1e-9, abs=1e-6)
 
 
 @pytest.fixture
@@ -130,9 +131,11 @@ def test_planned_programs_match_one_device(new_planner, plc):
     _run_and_check(f, (x, w1, w2), ref(xv, w1v, w2v), out_sbp=("B",) * plc.ndim)
 
 
-def test_a_data_parallel_train_step_matches_one_device(new_planner):
-    """An MLP's SGD step (``jax.grad``) under data parallelism: parameters after the step as plain
-    JAX's."""
+def test_a_data_parallel_train_step_matches_one_device(new_planner, monkeypatch):
+    """An MLP's SGD step (``jax.grad``) under data parallelism, solved by elimination (the MILP of
+    the whole problem switched off): parameters after the step as plain JAX's, and the gradients'
+    reductions one combined all-reduce (deferrable values: their latency is paid once)."""
+    monkeypatch.setattr(_solve, "EXACT_MAX_VARS", 0)
     ws = [rand(6, 16) * 0.3, rand(16) * 0.1, rand(16, 3) * 0.3]
     xv, yv = rand(16, 6), rand(16, 3)
 
@@ -154,6 +157,8 @@ def test_a_data_parallel_train_step_matches_one_device(new_planner):
         out_sbp="B",
         atol=1e-6,
     )
+    counts = jsbp.debug.count_collectives(jsbp.jit(step, out_sbp="B"), params, x, y)
+    assert {k: v for k, v in counts.items() if v} == {"all-reduce": 1}
 
 
 @pytest.mark.parametrize("plc", [P4, R22], ids=["4", "2x2"])
