@@ -53,7 +53,7 @@ for _p in (ROOT, ROOT / "benchmarks", ROOT / "tests", ROOT / "examples"):
 from _common import fmt_coll  # noqa: E402  (benchmarks/ is on sys.path)
 
 import jsbp  # noqa: E402
-from jsbp import _compiler, _jit, _lower, _planner, _problem  # noqa: E402
+from jsbp import _compiler, _jit, _lower, _planner  # noqa: E402
 from jsbp._cost import estimate  # noqa: E402
 from jsbp.debug import count_collectives  # noqa: E402
 
