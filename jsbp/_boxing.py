@@ -171,7 +171,7 @@ def _best(src, dst, ndim, hierarchy, total, frontier=None):
     return best
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1 << 18)
 def conversion_cost(
     src: tuple,
     dst: tuple,

@@ -178,6 +178,7 @@ class Problem:
     # the program's structure for lowering: per equation ("node", index) or ("call", equation,
     # inlined jaxpr with fresh variables, its constants, its own structure)
     structure: list = dataclasses.field(default_factory=list, repr=False)
+    cache: dict = dataclasses.field(default_factory=dict, repr=False)  # the solver's tables
 
     # the part of a latency a deferrable value's conversion is charged by ``conversion`` (the
     # solver's estimate of sharing it; ``cost`` counts one latency per combined collective)

@@ -181,15 +181,18 @@ def exact(
 
 class _Tables:
     """Conversion costs of the values of ``prob`` as matrices over layouts, one per (shape,
-    dtype), filled as they are read (``Problem.conversion`` once per pair of layouts), scaled by
-    each value's ``times``."""
+    dtype) and, for deferrable values, per pricing (``Problem.share`` / ``joined``), filled as
+    they are read (``Problem.conversion`` once per pair of layouts), scaled by each value's
+    ``times``. Kept in ``Problem.cache``: ``solve``'s runs share them."""
 
     def __init__(self, prob: Problem):
         self.prob = prob
-        self.by_kind: dict = {}  # (shape, dtype) -> [index dict, table, a value of that kind]
+        self.by_kind: dict = {}  # key -> [index dict, table, a value of that kind]
 
     def of(self, val):
         key = (val.shape, val.aval.dtype, val.deferrable)
+        if val.deferrable:
+            key += (self.prob.share, self.prob.joined)
         entry = self.by_kind.get(key)
         if entry is None:
             entry = self.by_kind[key] = [{}, np.full((0, 0), np.nan), val]
@@ -231,7 +234,7 @@ def _pairwise(prob: Problem):
     nodes = prob.nodes
     unary = [np.asarray(n.compute, dtype=float).copy() for n in nodes]
     adj: list[dict] = [{} for _ in nodes]
-    tables = _Tables(prob)
+    tables = prob.cache.get("tables") or prob.cache.setdefault("tables", _Tables(prob))
 
     def edge(u, w, m):
         adj[u][w] = adj[u][w] + m if w in adj[u] else m
