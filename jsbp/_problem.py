@@ -3,7 +3,8 @@
 * **nodes**: one per equation that has a choice: a primitive (its candidates: the rule's legal nd
   signatures on the placement, ``legal_signatures``) or a layout request (``to_global``,
   ``reshard``, ``with_sharding_constraint``: its candidates are the layouts the request allows).
-  Calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat`` ...) are inlined.
+  Calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat`` ...) are inlined, and so
+  is a ``custom_linear_solve``'s ``solve`` jaxpr.
 * **values**: one per variable of the inlined program; a value's layout is its producer's chosen
   output nd-sbp, or fixed (a program input or constant: the layout it arrives in; a literal: B).
 * **loops and branches**: a ``scan``'s or ``while``'s body and a ``cond``'s branches are part of
@@ -12,9 +13,11 @@
   by the body in one layout) or a scanned input / output in.
 * **costs**, from one ``CostModel`` (``_cost``): converting a value to a layout its readers need
   costs the boxing planner's bytes per device plus ``latency_bytes`` per collective, once per
-  (value, layout) however many readers share it; a node costs the work a device does under its
-  candidate (FLOPs of a contraction, one per output element otherwise) at the model's rates; an
-  output asked for in a layout (``out_sbp``) pays its conversion.
+  (value, layout) however many readers share it; a *deferrable* value's collectives (nothing
+  downstream waits for them: ``deferrable``) run combined, one latency per combined collective;
+  a node costs the work a device does under its candidate (FLOPs of a contraction, one per
+  output element otherwise) at the model's rates; an output asked for in a layout (``out_sbp``)
+  pays its conversion.
 
 ``Problem.cost(choice)`` is the objective of an assignment (one candidate per node);
 ``_solve`` minimises it.

@@ -1,14 +1,16 @@
 """Solving a planning problem (``_problem``): one candidate per node at the least ``Problem.cost``.
 
-* **exact**: a mixed-integer program (HiGHS through ``scipy.optimize.milp``) when the problem is
-  small (``EXACT_MAX_VARS``): binaries ``x[u, c]`` (node ``u`` runs candidate ``c``, one per node),
-  ``y[v, t]`` (value ``v`` is needed in layout ``t``: at least every reader's choice asks it) and
-  ``z[v, s, t] >= a[v, s] + y[v, t] - 1`` (``v`` made in ``s`` and needed in ``t``: the conversion
-  runs once), minimising compute plus conversions;
-* otherwise a **greedy start** (each node in program order takes the candidate cheapest for the
-  layouts its operands have, conversions already made for free), **local search** (sweeps that
-  move one node at a time to its best candidate, the rest held, while the cost falls) and
-  **windows**: runs of ``WINDOW`` consecutive nodes solved exactly with the rest held.
+* **exact** (``exact``): a mixed-integer program (HiGHS through ``scipy.optimize.milp``) for a
+  small problem (``EXACT_MAX_VARS``): binaries ``x[u, c]`` (node ``u`` runs candidate ``c``, one
+  per node), ``y[v, t]`` (value ``v`` is needed in layout ``t``: at least every reader's choice
+  asks it), ``z[v, s, t] >= a[v, s] + y[v, t] - 1`` (``v`` made in ``s`` and needed in ``t``: the
+  conversion runs once) and ``g[k] >= z`` for each combined collective ``k`` a deferrable
+  value's conversion joins (one latency per group);
+* **elimination** (``eliminate``) otherwise: the problem as a pairwise model (``_pairwise``),
+  nodes of one or two neighbours eliminated exactly, the core left solved as a local-polytope
+  MILP (``_core_exact``) or by min-sum message passing (``_min_sum``), run under three pricings
+  of the deferrable values (``solve``);
+* **local search** (``local_search``) polishes the answer on ``Problem.cost`` itself.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ EXACT_MAX_VARS = 3_000
 eliminated (``eliminate``)."""
 
 EXACT_TIME_LIMIT_S = 2.0
-"""Seconds HiGHS may take on one MILP before its answer is dropped (``exact``) or its best so far
-compared with min-sum's (``_core_exact``)."""
+"""Seconds HiGHS may take on one MILP; without a proven optimum by then its answer is dropped
+(``exact``: elimination plans instead; ``_core_exact``: min-sum does)."""
 
 CORE_EXACT_MAX_VARS = 60_000
 """Largest MILP (candidates + joint candidates of the edges) over the nodes ``eliminate`` leaves
-that is solved exactly; larger ones keep min-sum's answer."""
+that is solved exactly; larger cores go to min-sum."""
 
 SWEEPS = 8
 """Most local-search sweeps over the nodes."""
