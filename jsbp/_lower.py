@@ -5,8 +5,9 @@ node's equation with the layouts of its candidate and the boxings of its operand
 of one value to one layout made once (later readers reuse it, or convert from it where that is
 cheaper than from the value as made), calls as nested programs over their inlined jaxprs, and the
 outputs converted to the layouts asked of them. ``plan`` is the whole path: the jaxpr's dead code
-dropped, the problem built, solved and lowered, reductions moved ahead of transposes and small
-collectives combined.
+dropped, the problem built, solved and lowered, reductions moved ahead of transposes, small
+collectives combined, and a ``NoRuleWarning`` per primitive that ran replicated for want of a
+rule.
 """
 
 from __future__ import annotations
@@ -209,11 +210,12 @@ def _b(placement):
 def plan(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = False) -> Program:
     """The planned program of ``jaxpr`` (see the module doc)."""
     from ._combine import combine_collectives
-    from ._compiler import _dce, _reduce_before_transposes
+    from ._compiler import _dce, _reduce_before_transposes, _warn_replicated
 
     jaxpr = _dce(jaxpr)
     prob = build(placement, jaxpr, consts, in_layouts, out_nd, strict=strict)
     prog = lower(prob, solve(prob), jaxpr, consts, in_layouts, out_nd)
     _reduce_before_transposes(prog)
     combine_collectives(prog)
+    _warn_replicated(prog, placement)
     return prog

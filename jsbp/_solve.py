@@ -236,7 +236,7 @@ def _pairwise(prob: Problem):
     nodes = prob.nodes
     unary = [np.asarray(n.compute, dtype=float).copy() for n in nodes]
     adj: list[dict] = [{} for _ in nodes]
-    tables = prob.cache.get("tables") or prob.cache.setdefault("tables", _Tables(prob))
+    tables = prob.cache.setdefault("tables", _Tables(prob))
 
     def edge(u, w, m):
         adj[u][w] = adj[u][w] + m if w in adj[u] else m

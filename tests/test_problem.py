@@ -198,3 +198,21 @@ def test_a_linear_solve_is_a_call_of_its_solve(new_planner, sbp):
         return jax.grad(lambda a: (jnp.linalg.solve(a, y) ** 2).sum())(a), jnp.linalg.solve(a, y)
 
     _run_and_check(f, (a, y), jax.jit(f)(av, yv), rtol=1e-4, atol=1e-5)
+
+
+def test_a_primitive_without_a_rule_runs_replicated_with_a_warning(new_planner):
+    """A primitive jsbp has no rule for (``x[::-1] * 2`` along dim 0: not elementwise) runs
+    replicated, its operand gathered, with a ``NoRuleWarning``; values as one device's."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    prim = Primitive("jsbp_test_problem_no_rule")
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    impl = lambda x: jnp.flip(x, 0) * 2  # noqa: E731
+    prim.def_impl(impl)
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
+    xv = rand(7, 4)
+    x = jsbp.tensor(xv, placement=P4, sbp="S(0)")
+    with pytest.warns(jsbp.NoRuleWarning, match=r"jsbp_test_problem_no_rule.*\(7, 4\).*replicated"):
+        y = jsbp.jit(lambda x: prim.bind(x * 3.0) + 1.0)(x)
+    np.testing.assert_allclose(y.numpy(), np.flip(xv * 3.0, 0) * 2 + 1.0, rtol=1e-6)
