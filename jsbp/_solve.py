@@ -96,6 +96,8 @@ def exact(
     except ImportError:  # pragma: no cover - scipy is a dependency of the planner extra
         return None
     nodes = prob.nodes
+    if not nodes:
+        return []
     base = np.cumsum([0] + [len(n.cands) for n in nodes])
     nx = int(base[-1])
     cost = [float(c) for n in nodes for c in n.compute]

@@ -216,3 +216,12 @@ def test_a_primitive_without_a_rule_runs_replicated_with_a_warning(new_planner):
     with pytest.warns(jsbp.NoRuleWarning, match=r"jsbp_test_problem_no_rule.*\(7, 4\).*replicated"):
         y = jsbp.jit(lambda x: prim.bind(x * 3.0) + 1.0)(x)
     np.testing.assert_allclose(y.numpy(), np.flip(xv * 3.0, 0) * 2 + 1.0, rtol=1e-6)
+
+
+def test_a_program_without_equations_is_planned(new_planner):
+    """A function that returns its argument (``jnp.positive``) has an empty problem; its output
+    keeps the input's layout, or is converted to the one asked."""
+    xv = rand(8, 4)
+    x = jsbp.tensor(xv, placement=P4, sbp="S(0)")
+    assert jsbp.jit(jnp.positive)(x).sbp == x.sbp
+    _run_and_check(jnp.positive, (x,), xv, out_sbp="B")
