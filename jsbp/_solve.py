@@ -326,9 +326,12 @@ def _core_exact(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dic
     """The pairwise model on ``core`` solved by ``scipy.optimize.milp``: a binary per candidate
     (one per node) and, per edge, the joint of its two ends' candidates (``mu[a, b]``, summing to
     each end's choice: the local-polytope formulation). None when larger than
-    ``CORE_EXACT_MAX_VARS`` or HiGHS finds nothing in ``time_limit``."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
+    ``CORE_EXACT_MAX_VARS``, HiGHS proves nothing in ``time_limit``, or scipy is missing."""
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+    except ImportError:  # pragma: no cover - scipy is a dependency of the planner extra
+        return None
 
     edges = [(u, w, m) for u in core for w, m in adj[u].items() if u < w]
     if not core:
