@@ -409,7 +409,7 @@ def eliminate(prob: Problem) -> list[int]:
     """Graph elimination on the pairwise model (``_pairwise``), as OneFlow's SBP graph does: a
     node with one neighbour folds into it (its best candidate per the neighbour's), a node with two
     becomes an edge between them (parallel edges add up); what is left, nodes of three or more
-    neighbours, is solved by iterated conditional modes from the cheapest candidates; then the
+    neighbours, is solved exactly (``_core_exact``) or by min-sum (``_min_sum``); then the
     eliminated nodes take their recorded best candidates, last eliminated first."""
     unary, adj = _pairwise(prob)
     n = len(unary)
