@@ -25,7 +25,7 @@ all-reduces of a Megatron x data step, each needed at once, do not cut its gradi
 ``combine_collectives`` decides the groups on the ``Program`` and the order its steps and groups
 run in (``Program.order``, a topological order of their data), so ``jsbp.explain`` shows them and
 counts each combined collective once, as the compiled program has it; the emitter
-(``_compiler.run_program``) runs that order and nothing else. A boxing joins a group when it
+(``_emit.run_program``) runs that order and nothing else. A boxing joins a group when it
 is a single even all-reduce (of a partial sum: partial extrema travel as order keys),
 reduce-scatter or all-gather of a value no nested program reads and no later conversion starts
 from (``via``), on a step that can wait.

@@ -167,6 +167,8 @@ class Node:
     compute: np.ndarray  # per candidate, in byte-equivalents
     rule: object = None
     kind: str = "prim"  # prim | annotate | hold (a loop's or branch's boundary: no equation)
+    # candidate index -> (jaxpr, consts): a candidate run as its own small program (``_rewrite``)
+    local: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(eq=False)
@@ -310,13 +312,17 @@ def build(
     *,
     model: CostModel = DEFAULT_COST,
     strict: bool = False,
+    local=None,
 ) -> Problem:
     """The problem of ``jaxpr`` on ``placement``: inputs in ``in_layouts`` (Layouts), outputs
     asked in ``out_nd`` (per output an nd-sbp or None). A loop's body is part of the problem, its
     values and work counted once per iteration (``WHILE_TRIPS`` for a ``while``), and its boundary
     is nodes whose candidates are the layouts the loop holds a value in (``_boundary``); a
-    ``cond``'s branches likewise; a ``custom_linear_solve`` is a call of its ``solve`` jaxpr."""
+    ``cond``'s branches likewise; a ``custom_linear_solve`` is a call of its ``solve`` jaxpr.
+    ``local(jaxpr, consts, in_nd, out_nd)``: the cost of a small program with its layouts fixed,
+    the price of the candidates ``_rewrite.rewrites`` offers (None: those are not offered)."""
     from ._interop import requested_nd
+    from ._rewrite import rewrites
 
     hier = placement.hierarchy
     nodes: list[Node] = []
@@ -469,7 +475,14 @@ def build(
                     f"no legal SBP signature for '{eqn.primitive.name}' on {placement}; "
                     "box an operand with jsbp.to_global(..., sbp=...) to a layout the op supports."
                 )
-            hit = cands_memo[key] = (rule, cands, _work(eqn, cands, hier, model))
+            work = _work(eqn, cands, hier, model)
+            extra = rewrites(eqn, placement) if local is not None else []
+            for in_nd, out_nd, jx, jx_consts in extra:
+                cands.append(((in_nd,), (out_nd,)))
+                work = np.append(work, local(jx, jx_consts, in_nd, out_nd))
+            n_rule = len(cands) - len(extra)
+            jaxprs = {n_rule + i: (jx, c) for i, (_, _, jx, c) in enumerate(extra)}
+            hit = cands_memo[key] = (rule, cands, work, jaxprs)
         return hit
 
     def walk(jx, consts, out: list, times=1.0):
@@ -530,8 +543,8 @@ def build(
                 cands = [((nd,), (nd,)) for nd in allowed]
                 node = Node(eqn, cands, [x], [], np.zeros(len(cands)), kind="annotate")
             else:
-                rule, cands, work = candidates(eqn)
-                node = Node(eqn, cands, ins, [], work * times, rule=rule)
+                rule, cands, work, jaxprs = candidates(eqn)
+                node = Node(eqn, cands, ins, [], work * times, rule=rule, local=jaxprs)
             add_node(
                 node, [None if isinstance(o, jcore.DropVar) else o.aval for o in eqn.outvars], times
             )

@@ -1,7 +1,7 @@
 """A planned program: each equation of a jaxpr with the layouts it runs on and the boxings of its
 operands (``Step``), nested programs for calls, loop bodies and branches (``Program``).
 
-The planner (``_compiler.infer``) makes one; the emitter (``_compiler.run_program``) runs it inside
+The planner (``_lower.plan``) makes one; the emitter (``_emit.run_program``) runs it inside
 one ``shard_map``; ``jsbp.explain``, the cost model (``_cost``) and ``auto_layouts`` read it.
 """
 
