@@ -81,8 +81,8 @@ def scan_counts(params) -> tuple[int, int]:
 
 
 WHILE_TRIPS = 16
-"""The trip count ``_infer_loop_carry`` assumes for a ``while`` loop (unknown before it runs): a
-carry layout that costs a collective per iteration loses to one converted once after the loop."""
+"""The trip count the planner and the cost model assume for a ``while`` loop (unknown before it
+runs): a loop body's values, work and conversions count this many times."""
 
 
 def subprograms(st: Step) -> list[Program]:
