@@ -1,6 +1,7 @@
 """Regression tests for the classes of silently wrong values found on programs jsbp's own tests did
 not contain (issue "Never a wrong value"). Each compares with one device or says what JAX says."""
 
+import math
 import operator
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import jsbp
+from jsbp._program import boxings_of
 
 P4 = jsbp.placement("cpu", [0, 1, 2, 3])
 Q22 = jsbp.placement("cpu", [[0, 1], [2, 3]])
@@ -306,6 +308,10 @@ def test_zero_size_values(plc, sbp):
         assert [g.shape for g in got] == [r.shape for r in ref]
         for g, r in zip(got, ref):
             np.testing.assert_array_equal(g, r)
+        # nothing is communicated for a value without elements (its conversions are local)
+        prog = jsbp.jit(fn).lower_program(arg).program
+        empty = [bx for bx, _ in boxings_of(prog) if math.prod(bx.src.shape) == 0]
+        assert not any(bx.collectives for bx in empty), fn
     assert a.to_global(sbp=("B",) * plc.ndim).numpy().shape == (0,)
 
 
