@@ -203,16 +203,30 @@ def conversion_cost(
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def conversion_collectives(
+def combined_collective(
     src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int
 ) -> tuple:
-    """The collectives the conversion ``plan`` runs, as (kind, axes) pairs (none for a tensor
-    without elements)."""
+    """The combined collective the conversion joins when its value can wait (``_combine``): its
+    (kind, axes) as a 1-tuple where ``plan`` is one all-gather, reduce-scatter or all-reduce of a
+    sum between even layouts of a tensor with elements; else ()."""
     if src == dst or math.prod(shape) == 0:
         return ()
     total = float(math.prod(shape) * itemsize)
     _, path = _best(src, dst, len(shape), hierarchy, total)
-    return tuple((mv.collective, tuple(mv.axes)) for mv in path if mv.collective)
+    if len(path) != 1 or path[0].collective not in ("all-gather", "reduce-scatter", "all-reduce"):
+        return ()
+    mv = path[0]
+    if mv.collective == "all-reduce" and mv.src.reduce != "sum":
+        return ()
+
+    def even(nd):
+        ways = [1] * len(shape)
+        for a, x in enumerate(nd):
+            if x.is_split:
+                ways[x.dim] *= hierarchy[a]
+        return all(n % w == 0 for n, w in zip(shape, ways))
+
+    return ((mv.collective, tuple(mv.axes)),) if even(src) and even(dst) else ()
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -242,11 +242,12 @@ def _b(placement):
 
 def _local_cost(placement, strict):
     """The price of a candidate run as its own small program (``_rewrite``): that program's
-    least cost with its operand's and result's layouts fixed."""
+    least cost with its operand's and result's layouts fixed (planned without such candidates of
+    its own: its reductions and scans run on the blocks it made)."""
 
     def price(jaxpr, consts, in_nd, out_nd):
         lays = [layout_of(placement, in_nd, tuple(v.aval.shape)) for v in jaxpr.invars]
-        prob = build(placement, jaxpr, consts, lays, [out_nd], strict=strict, local=price)
+        prob = build(placement, jaxpr, consts, lays, [out_nd], strict=strict)
         return prob.cost(solve(prob))
 
     return price
@@ -254,10 +255,9 @@ def _local_cost(placement, strict):
 
 def _local_program(placement, jaxpr, consts, in_layouts, out_nds, strict) -> Program:
     """The planned program of a candidate that runs as its own small program, over fresh
-    variables (each equation that chose it runs its own copy)."""
+    variables (each equation that chose it runs its own copy), as ``_local_cost`` priced it."""
     jaxpr = fresh_vars(jaxpr)
-    local = _local_cost(placement, strict)
-    prob = build(placement, jaxpr, consts, in_layouts, out_nds, strict=strict, local=local)
+    prob = build(placement, jaxpr, consts, in_layouts, out_nds, strict=strict)
     return lower(prob, solve(prob), jaxpr, consts, in_layouts, out_nds, strict)
 
 

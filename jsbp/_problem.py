@@ -33,7 +33,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import _sbp
-from ._boxing import conversion_collectives, conversion_cost
+from ._boxing import combined_collective, conversion_cost
 from ._cost import DEFAULT_COST, CostModel, itemsize
 from ._errors import SbpError
 from ._layout import layout_of
@@ -195,19 +195,23 @@ class Problem:
     def conversion(self, val: Value, src: tuple, dst: tuple, share: float | None = None) -> float:
         """Boxing ``val`` from ``src`` to ``dst`` (``_boxing.conversion_cost``: bytes per device,
         ``latency_bytes`` per collective, local moves' small charges), ``val.times`` times; a
-        deferrable value's collectives at ``share`` of a latency (default ``self.share``)."""
+        deferrable value's conversion that joins a combined collective (``combined_collective``)
+        pays ``share`` of its latency (default: ``self.share`` where ``joined`` is None or has
+        that collective, else a whole latency)."""
         if src == dst:
             return 0.0
         latency = self.model.latency_bytes
         hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
-        if not val.deferrable:
-            return val.times * conversion_cost(src, dst, val.shape, hier, size, latency)
-        if share is not None or self.joined is None:
-            latency *= self.share if share is None else share
-            return val.times * conversion_cost(src, dst, val.shape, hier, size, latency)
-        cost = conversion_cost(src, dst, val.shape, hier, size, 0.0)
-        for k in conversion_collectives(src, dst, val.shape, hier, size):
-            cost += latency * (self.share if k in self.joined else 1.0)
+        cost = conversion_cost(src, dst, val.shape, hier, size, latency)
+        if val.deferrable:
+            for k in combined_collective(src, dst, val.shape, hier, size):
+                if share is not None:
+                    part = share
+                elif self.joined is None or k in self.joined:
+                    part = self.share
+                else:
+                    part = 1.0
+                cost -= latency * (1.0 - part)
         return val.times * cost
 
     def layout(self, val: Value, choice) -> tuple:
@@ -233,7 +237,7 @@ class Problem:
         return {
             g
             for t in self.wanted(val, choice)
-            for g in conversion_collectives(src, t, val.shape, hier, size)
+            for g in combined_collective(src, t, val.shape, hier, size)
         }
 
     def cost(self, choice) -> float:

@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from ._boxing import conversion_collectives
+from ._boxing import combined_collective
 from ._cost import itemsize
 from ._problem import Problem
 
@@ -155,7 +155,7 @@ def exact(
                 if s == t:
                     continue
                 c = prob.conversion(val, s, t, 0.0 if val.deferrable else None)
-                joins = conversion_collectives(s, t, val.shape, hier, itemsize(val.aval.dtype))
+                joins = combined_collective(s, t, val.shape, hier, itemsize(val.aval.dtype))
                 if c == 0.0 and not (val.deferrable and joins):
                     continue
                 if xs is None:
@@ -393,7 +393,7 @@ def _core_exact(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dic
 
 def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.5) -> dict:
     """A candidate per node of ``core`` (the pairwise model left after elimination): min-sum
-    belief propagation (damped), each round's decoding polished by ``_icm``, the cheapest kept."""
+    belief propagation (damped), the cheapest round's decoding polished by ``_icm``."""
     msgs = {(u, w): np.zeros(len(unary[w])) for u in core for w in adj[u]}
     best, best_e = None, np.inf
     for _ in range(rounds):
