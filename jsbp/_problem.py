@@ -13,8 +13,9 @@
   by the body in one layout) or a scanned input / output in.
 * **costs**, from one ``CostModel`` (``_cost``): converting a value to a layout its readers need
   costs the boxing planner's bytes per device plus ``latency_bytes`` per collective, once per
-  (value, layout) however many readers share it; a *deferrable* value's collectives (nothing
-  downstream waits for them: ``deferrable``) run combined, one latency per combined collective;
+  (value, layout) however many readers share it; a *deferrable* value's conversion (nothing
+  downstream waits for it: ``deferrable``) that is one combinable collective
+  (``_boxing.combined_collective``) runs combined, one latency per combined collective;
   a node costs the work a device does under its candidate (FLOPs of a contraction, one per
   output element otherwise) at the model's rates; an output asked for in a layout (``out_sbp``)
   pays its conversion.
