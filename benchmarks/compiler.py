@@ -494,7 +494,7 @@ def first_call_times(case: Case, reps: int, cold_jsbp: bool = True) -> dict[str,
 # (label, file suffix, function name) of the phases of a first call, read from cProfile
 _PHASES = (
     ("jsbp: trace the step to a jaxpr (`_jit._trace`)", "jsbp/_jit.py", "_trace"),
-    ("jsbp: SBP inference (`_compiler.infer`)", "jsbp/_compiler.py", "infer"),
+    ("jsbp: planning (`_lower.plan`)", "jsbp/_lower.py", "plan"),
     ("jsbp: replay on shards + boxing, inside shard_map (`_jit.body`)", "jsbp/_jit.py", "body"),
     ("jax: trace the hand-written step (`jit` trace)", "jax/_src/pjit.py", "_trace_for_jit"),
     (

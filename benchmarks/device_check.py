@@ -6,8 +6,7 @@ and what does it cost?
 For each GPT size (``examples/train_gpt.py``'s model, nanoGPT's adamw recipe) it trains the same
 steps twice from the same parameters and batches: ``jsbp.flax.make_train_step(loss_fn, None)``
 (plain ``jax.jit``, the reference) and the same step under a ``Strategy`` on a one-device placement
-of the default backend's first device (``jsbp.jit``), once with the default planner and once with
-``JSBP_PLANNER=global``. It prints the largest difference of the first five losses, the loss
+of the default backend's first device (``jsbp.jit``). It prints the largest difference of the first five losses, the loss
 after the timed steps (on a batch of the first five), the largest parameter difference, and the
 median step times measured interleaved in one run (ratios,
 not absolute times, are what to compare). It exits non-zero if a difference exceeds the tolerance.
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 
@@ -88,25 +86,21 @@ def main(argv=None) -> int:
             logical_axes={k: v for k, v in tg.LOGICAL_AXES.items() if v in (None, "dp")},
         )
 
-        def variant(planner, cfg=cfg, strategy=strategy, batches=batches):
+        def variant(use_jsbp, cfg=cfg, strategy=strategy, batches=batches):
             model, opt = tg.init(cfg, 0, LR)
-            if planner is None:
+            if not use_jsbp:
                 step = jflax.make_train_step(tg.loss_fn, None)
             else:
-                os.environ["JSBP_PLANNER"] = planner
                 model, opt = jflax.shard((model, opt), strategy)
                 step = jflax.make_train_step(tg.loss_fn, strategy)
             losses = []
-            for b in batches[
-                :5
-            ]:  # the first step plans (under the planner chosen above) and compiles
+            for b in batches[:5]:  # the first step plans and compiles
                 loss = step(model, opt, b)
                 losses.append(float(loss.numpy() if isinstance(loss, jsbp.GlobalTensor) else loss))
-            os.environ.pop("JSBP_PLANNER", None)
             return step, (model, opt), losses
 
-        names = ("jax.jit", "jsbp search", "jsbp global")
-        made = [variant(None), variant("search"), variant("global")]
+        names = ("jax.jit", "jsbp")
+        made = [variant(False), variant(True)]
 
         def runner(step):
             def fn(state, b):

@@ -1,7 +1,7 @@
 """Automatic parallelism: choose the nd-sbp of every input of a program under a memory budget.
 
 ``auto_layouts(fn, *args, placement=..., memory_budget=...)`` plans ``fn`` with jsbp's own
-planner (``_compiler.infer``, used as a black box) for candidate input layouts and keeps the one
+planner (``_lower.plan``, used as a black box) for candidate input layouts and keeps the one
 whose *estimated step time* is lowest among those whose *predicted peak bytes per device* fit the
 budget. Both numbers come from the cost model (``_cost.estimate``) of the planned ``Program``.
 
@@ -25,7 +25,6 @@ import jax
 import numpy as np
 
 from . import _sbp
-from ._compiler import infer
 from ._cost import (
     DEFAULT_COST,
     CostModel,
@@ -268,7 +267,7 @@ def auto_layouts(
         )
         spec = _flat_out_sbp(spec, len(out_avals))
         out_nd = _out_nd_list(spec, len(out_avals), placement, [a.shape for a in out_avals])
-        prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd)
+        prog = plan(placement, closed.jaxpr, closed.consts, lays, out_nd)
         return estimate(prog, cost_model), spec
 
     cache: dict = {}

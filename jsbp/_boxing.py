@@ -154,11 +154,16 @@ def plan(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, .
     A move's cost is linear in the tensor's size T (bytes x a fraction fixed by the layouts, plus
     a fixed cost), so the search runs once per (src, dst, rank, hierarchy) and keeps every path
     that is cheapest for some T (``_frontier``); a call only picks among those for its T.
+
+    A tensor without elements has nothing to move: its moves are local (``run_plan`` makes the
+    empty blocks of each layout).
     """
     if src == dst:
         return ()
     total = float(math.prod(shape) * itemsize)
     _, path = _best(src, dst, len(shape), hierarchy, total)
+    if total == 0:
+        return tuple(dataclasses.replace(m, collective=None, bytes_per_device=0.0) for m in path)
     return tuple(dataclasses.replace(m, bytes_per_device=m.bytes_per_device * total) for m in path)
 
 
@@ -183,8 +188,8 @@ def conversion_cost(
     """What the conversion ``plan`` runs costs in byte-equivalents per device: the bytes each move
     receives, ``latency_bytes`` per collective, and each local move's small fixed charge and
     addends charge (``move_cost``, ``_addends_cost``: a zero-fill S -> P is free by its bytes but
-    makes addends a later collective must reduce)."""
-    if src == dst:
+    makes addends a later collective must reduce). A tensor without elements costs nothing."""
+    if src == dst or math.prod(shape) == 0:
         return 0.0
     total = float(math.prod(shape) * itemsize)
     _, path = _best(src, dst, len(shape), hierarchy, total)
@@ -198,15 +203,30 @@ def conversion_cost(
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def conversion_collectives(
+def combined_collective(
     src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int
 ) -> tuple:
-    """The collectives the conversion ``plan`` runs, as (kind, axes) pairs."""
-    if src == dst:
+    """The combined collective the conversion joins when its value can wait (``_combine``): its
+    (kind, axes) as a 1-tuple where ``plan`` is one all-gather, reduce-scatter or all-reduce of a
+    sum between even layouts of a tensor with elements; else ()."""
+    if src == dst or math.prod(shape) == 0:
         return ()
     total = float(math.prod(shape) * itemsize)
     _, path = _best(src, dst, len(shape), hierarchy, total)
-    return tuple((mv.collective, tuple(mv.axes)) for mv in path if mv.collective)
+    if len(path) != 1 or path[0].collective not in ("all-gather", "reduce-scatter", "all-reduce"):
+        return ()
+    mv = path[0]
+    if mv.collective == "all-reduce" and mv.src.reduce != "sum":
+        return ()
+
+    def even(nd):
+        ways = [1] * len(shape)
+        for a, x in enumerate(nd):
+            if x.is_split:
+                ways[x.dim] *= hierarchy[a]
+        return all(n % w == 0 for n, w in zip(shape, ways))
+
+    return ((mv.collective, tuple(mv.axes)),) if even(src) and even(dst) else ()
 
 
 @functools.lru_cache(maxsize=1 << 16)

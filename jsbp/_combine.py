@@ -13,9 +13,9 @@ concatenated blocks when the first of their results is *needed* (or the bucket i
 **When a group runs.** XLA orders the compiled program by its data, so nothing obliges a
 collective to run where its first member stands. A group takes every conversion of its kind made
 before one of its results is *needed*: a result read by an op that can wait (``lazy_ok``: any op
-or annotation, a call whose program converts nothing; not a loop, a branch or an op with effects)
-only makes that op wait too; it is needed where a conversion that is not a member reads it (or
-what was made from it), where a step that cannot wait reads it, and at the program's end. The
+or annotation, a call whose program runs no collective; not a loop, a branch or an op with
+effects), or sliced locally for one, only makes that op wait too; it is needed where a collective
+that is not a member converts it (or what was made from it), where a step that cannot wait reads it, and at the program's end. The
 outputs' own conversions (a loss left partial until ``out_sbp`` reduces it, ZeRO-1/2's updated
 parameters gathered back) join the open groups too. So an optimizer's ``g * g`` reading an
 all-reduced gradient waits with it, and the gradients' all-reduces run as one collective whether
@@ -25,7 +25,7 @@ all-reduces of a Megatron x data step, each needed at once, do not cut its gradi
 ``combine_collectives`` decides the groups on the ``Program`` and the order its steps and groups
 run in (``Program.order``, a topological order of their data), so ``jsbp.explain`` shows them and
 counts each combined collective once, as the compiled program has it; the emitter
-(``_compiler.run_program``) runs that order and nothing else. A boxing joins a group when it
+(``_emit.run_program``) runs that order and nothing else. A boxing joins a group when it
 is a single even all-reduce (of a partial sum: partial extrema travel as order keys),
 reduce-scatter or all-gather of a value no nested program reads and no later conversion starts
 from (``via``), on a step that can wait.
@@ -53,17 +53,23 @@ _KINDS = ("reduce-scatter", "all-gather", "all-reduce")
 
 def lazy_ok(st) -> bool:
     """Whether the emitter may run ``st`` later than its place in the program (when a value it
-    makes is needed): an op, an annotation, or a call whose program converts nothing, without
-    effects. The others (loops, branches, calls that convert) need their operands there."""
+    makes is needed): an op, an annotation, or a call whose program runs no collective, without
+    effects. The others (loops, branches, calls that communicate) need their operands there."""
     if st.eqn.effects:
         return False
     if st.kind in ("prim", "annotate"):
         return True
-    if st.kind != "call" or st.sub.out_boxings:
+    if st.kind != "call" or not all(_local(bx) for bx in st.sub.out_boxings):
         return False
     return all(
-        not s.boxings and s.kind in ("prim", "annotate", "call") for _, s in iter_steps(st.sub)
+        all(_local(bx) for bx in s.boxings) and s.kind in ("prim", "annotate", "call")
+        for _, s in iter_steps(st.sub)
     )
+
+
+def _local(bx) -> bool:
+    """Whether boxing ``bx`` runs no collective (a slice or zero-fill: it runs with its step)."""
+    return bx.reused or all(m.collective is None for m in bx.moves)
 
 
 def _group_key(bx, v):
@@ -138,6 +144,8 @@ def combine_collectives(prog) -> None:
             gid = made_by.get((v, bx.dst.nd_sbp))
             if gid is not None:  # the member's result again (the conversion cache)
                 pending[bx.operand] = {gid} & open_ids
+                continue
+            if ok and _local(bx):  # a slice runs with its step, which waits
                 continue
             close(pending[bx.operand])  # converted here: its groups run first
             key = (

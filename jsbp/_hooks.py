@@ -1,6 +1,6 @@
 """Registration points through which the outer packages plug into the core.
 
-The core (``_sbp``, ``_placement``, ``_layout``, ``_boxing``, ``_tensor``, ``_compiler``, ``_jit``,
+The core (``_sbp``, ``_placement``, ``_layout``, ``_boxing``, ``_tensor``, ``_lower``, ``_jit``,
 ``rules`` ...) never imports ``viz``, ``flax``, ``pipeline``, ``checkpoint``, ``distributed`` or
 ``launch`` (``tests/test_layering.py`` checks it). What it needs from them it looks up here, and
 they (or ``jsbp/__init__.py``, on their behalf) register it:

@@ -9,7 +9,7 @@
   :func:`to_jax_array`: no copy for even ``S`` / ``B`` layouts (the arrays share their shard
   buffers).
 * Inside ``jsbp.jit``, JAX's sharding calls are layout requests: ``reshard`` /
-  ``sharding_constraint`` equations are annotations (``_compiler._infer_sharding_request`` reads them
+  ``sharding_constraint`` equations are annotations (``_problem.build`` reads them
   with :func:`requested_nd`), and :func:`lift_out_shardings` turns every ``out_sharding=`` /
   ``sharding=`` parameter (``jnp.dot(..., out_sharding=)``, ``jnp.zeros(..., out_sharding=)``,
   ``nnx.Linear(...)(x, out_sharding=)``) into a ``reshard`` after the equation. Mesh axes map to

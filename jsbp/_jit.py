@@ -23,7 +23,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _sbp
-from ._compiler import Program, infer, run_program
+from ._emit import run_program
 from ._errors import PlacementError, SbpError
 from ._interop import (
     _context_mesh_set,
@@ -34,7 +34,9 @@ from ._interop import (
     trace_with_mesh,
 )
 from ._layout import Layout, layout_of, normalise_nd
+from ._lower import plan
 from ._placement import placement as Placement
+from ._program import Program
 from ._statickey import static_key
 from ._tensor import GlobalTensor
 from ._trace import current_tracer, tracing
@@ -489,7 +491,7 @@ class JitFunction:
             out_sbp = self.out_sbp(out_tree) if callable(self.out_sbp) else self.out_sbp
             out_nd = _out_nd_list(out_sbp, len(out_avals), placement, [a.shape for a in out_avals])
             out_nd = _keys_broadcast(out_nd, out_avals, placement)
-            prog = infer(placement, closed.jaxpr, closed.consts, lays, out_nd, strict=self.strict)
+            prog = plan(placement, closed.jaxpr, closed.consts, lays, out_nd, strict=self.strict)
             fn = _build_shard_map(placement, lays, prog.out_layouts, prog, dtypes, donated=key[5])
             out_struct = jax.tree_util.tree_structure(
                 jax.tree_util.tree_unflatten(
@@ -700,7 +702,7 @@ def _backward(entry: _Entry):
             )
         )
     out_nd = [entry.in_layouts[i].nd_sbp for i in diff_idx]
-    prog = infer(entry.placement, closed.jaxpr, closed.consts, in_lays, out_nd, strict=entry.strict)
+    prog = plan(entry.placement, closed.jaxpr, closed.consts, in_lays, out_nd, strict=entry.strict)
     fn = _build_shard_map(entry.placement, in_lays, prog.out_layouts, prog, in_dts)
     entry._bwd = (fn, set(diff_idx))
     return entry._bwd

@@ -13,8 +13,9 @@
   by the body in one layout) or a scanned input / output in.
 * **costs**, from one ``CostModel`` (``_cost``): converting a value to a layout its readers need
   costs the boxing planner's bytes per device plus ``latency_bytes`` per collective, once per
-  (value, layout) however many readers share it; a *deferrable* value's collectives (nothing
-  downstream waits for them: ``deferrable``) run combined, one latency per combined collective;
+  (value, layout) however many readers share it; a *deferrable* value's conversion (nothing
+  downstream waits for it: ``deferrable``) that is one combinable collective
+  (``_boxing.combined_collective``) runs combined, one latency per combined collective;
   a node costs the work a device does under its candidate (FLOPs of a contraction, one per
   output element otherwise) at the model's rates; an output asked for in a layout (``out_sbp``)
   pays its conversion.
@@ -33,7 +34,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import _sbp
-from ._boxing import conversion_collectives, conversion_cost
+from ._boxing import combined_collective, conversion_cost
 from ._cost import DEFAULT_COST, CostModel, itemsize
 from ._errors import SbpError
 from ._layout import layout_of
@@ -167,6 +168,8 @@ class Node:
     compute: np.ndarray  # per candidate, in byte-equivalents
     rule: object = None
     kind: str = "prim"  # prim | annotate | hold (a loop's or branch's boundary: no equation)
+    # candidate index -> (jaxpr, consts): a candidate run as its own small program (``_rewrite``)
+    local: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(eq=False)
@@ -193,19 +196,23 @@ class Problem:
     def conversion(self, val: Value, src: tuple, dst: tuple, share: float | None = None) -> float:
         """Boxing ``val`` from ``src`` to ``dst`` (``_boxing.conversion_cost``: bytes per device,
         ``latency_bytes`` per collective, local moves' small charges), ``val.times`` times; a
-        deferrable value's collectives at ``share`` of a latency (default ``self.share``)."""
+        deferrable value's conversion that joins a combined collective (``combined_collective``)
+        pays ``share`` of its latency (default: ``self.share`` where ``joined`` is None or has
+        that collective, else a whole latency)."""
         if src == dst:
             return 0.0
         latency = self.model.latency_bytes
         hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
-        if not val.deferrable:
-            return val.times * conversion_cost(src, dst, val.shape, hier, size, latency)
-        if share is not None or self.joined is None:
-            latency *= self.share if share is None else share
-            return val.times * conversion_cost(src, dst, val.shape, hier, size, latency)
-        cost = conversion_cost(src, dst, val.shape, hier, size, 0.0)
-        for k in conversion_collectives(src, dst, val.shape, hier, size):
-            cost += latency * (self.share if k in self.joined else 1.0)
+        cost = conversion_cost(src, dst, val.shape, hier, size, latency)
+        if val.deferrable:
+            for k in combined_collective(src, dst, val.shape, hier, size):
+                if share is not None:
+                    part = share
+                elif self.joined is None or k in self.joined:
+                    part = self.share
+                else:
+                    part = 1.0
+                cost -= latency * (1.0 - part)
         return val.times * cost
 
     def layout(self, val: Value, choice) -> tuple:
@@ -231,7 +238,7 @@ class Problem:
         return {
             g
             for t in self.wanted(val, choice)
-            for g in conversion_collectives(src, t, val.shape, hier, size)
+            for g in combined_collective(src, t, val.shape, hier, size)
         }
 
     def cost(self, choice) -> float:
@@ -310,13 +317,17 @@ def build(
     *,
     model: CostModel = DEFAULT_COST,
     strict: bool = False,
+    local=None,
 ) -> Problem:
     """The problem of ``jaxpr`` on ``placement``: inputs in ``in_layouts`` (Layouts), outputs
     asked in ``out_nd`` (per output an nd-sbp or None). A loop's body is part of the problem, its
     values and work counted once per iteration (``WHILE_TRIPS`` for a ``while``), and its boundary
     is nodes whose candidates are the layouts the loop holds a value in (``_boundary``); a
-    ``cond``'s branches likewise; a ``custom_linear_solve`` is a call of its ``solve`` jaxpr."""
+    ``cond``'s branches likewise; a ``custom_linear_solve`` is a call of its ``solve`` jaxpr.
+    ``local(jaxpr, consts, in_nd, out_nd)``: the cost of a small program with its layouts fixed,
+    the price of the candidates ``_rewrite.rewrites`` offers (None: those are not offered)."""
     from ._interop import requested_nd
+    from ._rewrite import rewrites
 
     hier = placement.hierarchy
     nodes: list[Node] = []
@@ -469,7 +480,14 @@ def build(
                     f"no legal SBP signature for '{eqn.primitive.name}' on {placement}; "
                     "box an operand with jsbp.to_global(..., sbp=...) to a layout the op supports."
                 )
-            hit = cands_memo[key] = (rule, cands, _work(eqn, cands, hier, model))
+            work = _work(eqn, cands, hier, model)
+            extra = rewrites(eqn, placement) if local is not None else []
+            for in_nd, out_nd, jx, jx_consts in extra:
+                cands.append(((in_nd,), (out_nd,)))
+                work = np.append(work, local(jx, jx_consts, in_nd, out_nd))
+            n_rule = len(cands) - len(extra)
+            jaxprs = {n_rule + i: (jx, c) for i, (_, _, jx, c) in enumerate(extra)}
+            hit = cands_memo[key] = (rule, cands, work, jaxprs)
         return hit
 
     def walk(jx, consts, out: list, times=1.0):
@@ -530,8 +548,8 @@ def build(
                 cands = [((nd,), (nd,)) for nd in allowed]
                 node = Node(eqn, cands, [x], [], np.zeros(len(cands)), kind="annotate")
             else:
-                rule, cands, work = candidates(eqn)
-                node = Node(eqn, cands, ins, [], work * times, rule=rule)
+                rule, cands, work, jaxprs = candidates(eqn)
+                node = Node(eqn, cands, ins, [], work * times, rule=rule, local=jaxprs)
             add_node(
                 node, [None if isinstance(o, jcore.DropVar) else o.aval for o in eqn.outvars], times
             )

@@ -1,7 +1,7 @@
 """A planned program: each equation of a jaxpr with the layouts it runs on and the boxings of its
 operands (``Step``), nested programs for calls, loop bodies and branches (``Program``).
 
-The planner (``_compiler.infer``) makes one; the emitter (``_compiler.run_program``) runs it inside
+The planner (``_lower.plan``) makes one; the emitter (``_emit.run_program``) runs it inside
 one ``shard_map``; ``jsbp.explain``, the cost model (``_cost``) and ``auto_layouts`` read it.
 """
 
@@ -81,8 +81,8 @@ def scan_counts(params) -> tuple[int, int]:
 
 
 WHILE_TRIPS = 16
-"""The trip count ``_infer_loop_carry`` assumes for a ``while`` loop (unknown before it runs): a
-carry layout that costs a collective per iteration loses to one converted once after the loop."""
+"""The trip count the planner and the cost model assume for a ``while`` loop (unknown before it
+runs): a loop body's values, work and conversions count this many times."""
 
 
 def subprograms(st: Step) -> list[Program]:

@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from ._boxing import conversion_collectives
+from ._boxing import combined_collective
 from ._cost import itemsize
 from ._problem import Problem
 
@@ -100,6 +100,8 @@ def exact(
         return []
     base = np.cumsum([0] + [len(n.cands) for n in nodes])
     nx = int(base[-1])
+    if nx > max_vars:  # the candidates' binaries alone are too many
+        return None
     cost = [float(c) for n in nodes for c in n.compute]
     integ = [1] * nx
     lo, hi = [0.0] * nx, [1.0] * nx
@@ -153,7 +155,7 @@ def exact(
                 if s == t:
                     continue
                 c = prob.conversion(val, s, t, 0.0 if val.deferrable else None)
-                joins = conversion_collectives(s, t, val.shape, hier, itemsize(val.aval.dtype))
+                joins = combined_collective(s, t, val.shape, hier, itemsize(val.aval.dtype))
                 if c == 0.0 and not (val.deferrable and joins):
                     continue
                 if xs is None:
@@ -235,16 +237,28 @@ def _pairwise(prob: Problem):
     read by several (or asked as an output as well) gets a *hub*: an extra node choosing the one
     layout the value is converted to first, each reader converting from there. Exact where the
     readers agree (one conversion, paid once); otherwise an upper bound of ``Problem.cost``."""
+    static = prob.cache.get("pairwise")
+    if static is None:  # the values whose pricing does not change between ``solve``'s runs
+        unary = [np.asarray(n.compute, dtype=float).copy() for n in prob.nodes]
+        adj: list[dict] = [{} for _ in prob.nodes]
+        _add_values(prob, [v for v in prob.values if not v.deferrable], unary, adj)
+        static = prob.cache["pairwise"] = (unary, adj)
+    unary = [u.copy() for u in static[0]]
+    adj = [dict(a) for a in static[1]]
+    _add_values(prob, [v for v in prob.values if v.deferrable], unary, adj)
+    return unary, adj
+
+
+def _add_values(prob: Problem, values, unary, adj) -> None:
+    """Add the conversions of ``values`` to the pairwise model (``unary``, ``adj``), in place."""
     nodes = prob.nodes
-    unary = [np.asarray(n.compute, dtype=float).copy() for n in nodes]
-    adj: list[dict] = [{} for _ in nodes]
     tables = prob.cache.setdefault("tables", _Tables(prob))
 
     def edge(u, w, m):
         adj[u][w] = adj[u][w] + m if w in adj[u] else m
         adj[w][u] = adj[u][w].T
 
-    for val in prob.values:
+    for val in values:
         if not val.uses and not val.wants:
             continue
         readers: dict = {}  # node -> its operand indices reading val
@@ -292,7 +306,6 @@ def _pairwise(prob: Problem):
             edge(p, h, sub(src, every))
         for u in readers:
             edge(h, u, reads(u, every))
-    return unary, adj
 
 
 MIN_SUM_ROUNDS = 40
@@ -380,7 +393,7 @@ def _core_exact(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dic
 
 def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.5) -> dict:
     """A candidate per node of ``core`` (the pairwise model left after elimination): min-sum
-    belief propagation (damped), each round's decoding polished by ``_icm``, the cheapest kept."""
+    belief propagation (damped), the cheapest round's decoding polished by ``_icm``."""
     msgs = {(u, w): np.zeros(len(unary[w])) for u in core for w in adj[u]}
     best, best_e = None, np.inf
     for _ in range(rounds):

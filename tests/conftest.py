@@ -30,8 +30,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _draws_of_its_own(request):
-    """A test module's shared generator (``RNG``, read by its ``rand``; ``test_planner`` uses
-    ``test_compiler``'s) restarts for every test from a seed of the test's id: a test draws the
+    """A test module's shared generator (``RNG``, read by its ``rand``; ``test_plan_loops``
+    uses ``test_compiler``'s) restarts for every test from a seed of the test's id: a test draws the
     same values whichever tests ran before it in its worker (``pytest -n``, ``-k``, reruns)."""
     seed = zlib.crc32(request.node.nodeid.encode())
     for name, mod in list(sys.modules.items()):

@@ -124,7 +124,7 @@ def test_auto_benchmark_one_shape_prints_its_table():
 
 def test_device_check_runs_and_compares_with_jax_jit():
     """benchmarks/device_check.py (the one-device path against plain jax.jit, for a lent GPU) runs
-    on the CPU: both planners' losses and parameters agree with jax.jit (it exits non-zero
+    on the CPU: jsbp.jit's losses and parameters agree with jax.jit (it exits non-zero
     otherwise) and every variant gets a row."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
@@ -147,7 +147,7 @@ def test_device_check_runs_and_compares_with_jax_jit():
     assert res.returncode == 0, (
         f"device check failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
     )
-    for label in ("jax.jit", "jsbp search", "jsbp global"):
+    for label in ("jax.jit", "jsbp"):
         assert any(
             line.startswith(f"small: {label} ") and "ms/step" in line for line in out.splitlines()
         ), label
@@ -155,68 +155,39 @@ def test_device_check_runs_and_compares_with_jax_jit():
 
 
 @pytest.mark.slow
-def test_planner_starts_benchmark_one_program_prints_its_rows():
-    """benchmarks/planner_starts.py (the global planner from three starts) runs one 2-d program:
-    a row per start, and the per-axis start no dearer than the greedy one it adds to."""
+def test_planner_benchmark_quick_prints_its_tables(tmp_path):
+    """benchmarks/planner.py --quick plans a handful of programs: a row each beside its recorded
+    plan (tests/data/plan_costs.json), the totals, and the planning-time rows; --json writes the
+    same figures."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
+    out_json = tmp_path / "planner.json"
     res = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "planner_starts.py"),
-            "--only",
-            "tests hybrid_2x4",
+            str(ROOT / "benchmarks" / "planner.py"),
+            "--quick",
+            "--json",
+            str(out_json),
         ],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1200,
     )
-    assert res.returncode == 0, (
-        f"benchmark failed ({res.returncode}):\n{res.stdout}\n{res.stderr[-4000:]}"
-    )
-    cost = {}
-    for line in res.stdout.splitlines():
-        if line.startswith("| tests hybrid_2x4 |"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            cost[cells[1]] = float(cells[2])
-    assert set(cost) == {"search", "greedy", "greedy+axes"}, res.stdout
-    assert cost["greedy+axes"] <= cost["greedy"], cost
+    out = res.stdout
+    assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
+    for name in ("gpt DP", "tests matmul_zero", "tests tp"):
+        rows = [line for line in out.splitlines() if line.startswith(f"| {name} |")]
+        assert len(rows) == 1, (name, out)
+        cells = [c.strip() for c in rows[0].strip("|").split("|")]
+        assert len(cells) == 6 and cells[1] != "-", rows[0]  # a recorded plan to compare with
+    assert "| **total** (6 programs) |" in out
+    for blocks in (1, 4):
+        assert any(line.startswith(f"| DPxTP (2x4) | {blocks} |") for line in out.splitlines())
+    import json
 
-
-def test_planner_ablation_benchmark_switches_a_heuristic_off():
-    """benchmarks/planner_ablation.py (issue 20: which search heuristics the global planner can do
-    without) plans one program with every heuristic on and with the tie-breakers off: a row per
-    planner, and the switch takes effect (the search's plan of the test suite's TP step is dearer
-    without them; measured 13.65 -> 25.19 MB-eq)."""
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "planner_ablation.py"),
-            "--only",
-            "tests tp",
-            "--heuristics",
-            "tie-breakers",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, (
-        f"benchmark failed ({res.returncode}):\n{res.stdout}\n{res.stderr[-4000:]}"
-    )
-    rows = {}
-    for line in res.stdout.splitlines():
-        if line.startswith("| tie-breakers | search |") or line.startswith(
-            "| tie-breakers | global |"
-        ):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            rows[cells[1]] = [tuple(int(x) for x in c.split(" / ")) for c in cells[2:]]
-    assert set(rows) == {"search", "global"}, res.stdout
-    assert all(len(r) == 3 for r in rows.values()), rows
-    assert rows["search"][0] == (1, 0), rows  # by program_cost: dearer, not cheaper
+    data = json.loads(out_json.read_text())
+    assert len(data["programs"]) == 6 and data["totals"]["compared"] == 6
+    assert [r["layers"] for r in data["timing"]] == [1, 4]

@@ -1,6 +1,7 @@
 """Regression tests for the classes of silently wrong values found on programs jsbp's own tests did
 not contain (issue "Never a wrong value"). Each compares with one device or says what JAX says."""
 
+import math
 import operator
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import jsbp
+from jsbp._program import boxings_of
 
 P4 = jsbp.placement("cpu", [0, 1, 2, 3])
 Q22 = jsbp.placement("cpu", [[0, 1], [2, 3]])
@@ -306,6 +308,10 @@ def test_zero_size_values(plc, sbp):
         assert [g.shape for g in got] == [r.shape for r in ref]
         for g, r in zip(got, ref):
             np.testing.assert_array_equal(g, r)
+        # nothing is communicated for a value without elements (its conversions are local)
+        prog = jsbp.jit(fn).lower_program(arg).program
+        empty = [bx for bx, _ in boxings_of(prog) if math.prod(bx.src.shape) == 0]
+        assert not any(bx.collectives for bx in empty), fn
     assert a.to_global(sbp=("B",) * plc.ndim).numpy().shape == (0,)
 
 
@@ -492,7 +498,8 @@ def test_nan_survives_the_reduction_of_a_partial_max(dtype):
 )
 def test_arg_extrema_over_a_split_dim(fn, plc, sbp):
     """argmax / argmin over a split dim: exact (ties: first index; NaN counts as the extremum;
-    bool and ints) without gathering the operand."""
+    bool and ints); an operand whose move costs more than a collective's latency is not moved
+    (two all-reduces of the result's size instead)."""
     rng = np.random.default_rng(5)
     for v in (
         rng.integers(-3, 3, size=(7, 5)).astype(np.float32),  # many ties
@@ -504,7 +511,7 @@ def test_arg_extrema_over_a_split_dim(fn, plc, sbp):
         for axis in (0, 1):
             f = lambda a, axis=axis: fn(a, axis=axis)
             np.testing.assert_array_equal(jsbp.jit(f)(x).numpy(), np.asarray(f(jnp.asarray(v))))
-    big = t(rng.standard_normal((16, 64)).astype(np.float32), plc, sbp)
+    big = t(rng.standard_normal((256, 1024)).astype(np.float32), plc, sbp)
     counts = jsbp.debug.count_collectives(jsbp.jit(lambda a: fn(a, axis=1)), big)
     assert counts["all-gather"] == 0 and counts["all-to-all"] == 0
 

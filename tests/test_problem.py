@@ -30,17 +30,15 @@ def _problem_of(fn, *args, out_sbp=None):
     got = {}
 
     def spy(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict=False):
-        from jsbp._compiler import _dce
-
-        got["prob"] = _problem.build(placement, _dce(jaxpr), consts, in_layouts, out_nd)
+        got["prob"] = _problem.build(placement, _lower._dce(jaxpr), consts, in_layouts, out_nd)
         return _lower.plan(placement, jaxpr, consts, in_layouts, out_nd, strict=strict)
 
-    orig = _jit.infer
-    _jit.infer = spy
+    orig = _jit.plan
+    _jit.plan = spy
     try:
         jsbp.jit(fn, out_sbp=out_sbp).lower_program(*args)
     finally:
-        _jit.infer = orig
+        _jit.plan = orig
     return got["prob"]
 
 
@@ -88,12 +86,6 @@ def test_exact_solver_finds_the_least_cost_of_every_assignment(name):
     assert prob.cost(eliminated) == pytest.approx(best, rel=1e-9, abs=1e-6)
 
 
-@pytest.fixture
-def new_planner(monkeypatch):
-    """``jsbp.jit`` planning through the problem (``_lower.plan``)."""
-    monkeypatch.setattr(_jit, "infer", _lower.plan)
-
-
 def _run_and_check(fn, args, ref, out_sbp=None, rtol=1e-5, atol=1e-5):
     jf = jsbp.jit(fn, out_sbp=out_sbp)
     got = jf(*args)
@@ -104,7 +96,7 @@ def _run_and_check(fn, args, ref, out_sbp=None, rtol=1e-5, atol=1e-5):
 
 
 @pytest.mark.parametrize("plc", [P4, R22], ids=["4", "2x2"])
-def test_planned_programs_match_one_device(new_planner, plc):
+def test_planned_programs_match_one_device(plc):
     """An MLP, a helper called twice (inlined twice: two scopes of one jaxpr), literals, a layout
     request and an output asked replicated: values as plain JAX's on one device."""
     xv, w1v, w2v = rand(8, 6), rand(6, 8), rand(8, 4)
@@ -131,7 +123,7 @@ def test_planned_programs_match_one_device(new_planner, plc):
     _run_and_check(f, (x, w1, w2), ref(xv, w1v, w2v), out_sbp=("B",) * plc.ndim)
 
 
-def test_a_data_parallel_train_step_matches_one_device(new_planner, monkeypatch):
+def test_a_data_parallel_train_step_matches_one_device(monkeypatch):
     """An MLP's SGD step (``jax.grad``) under data parallelism, solved by elimination (the MILP of
     the whole problem switched off): parameters after the step as plain JAX's, and the gradients'
     reductions one combined all-reduce (deferrable values: their latency is paid once)."""
@@ -162,7 +154,7 @@ def test_a_data_parallel_train_step_matches_one_device(new_planner, monkeypatch)
 
 
 @pytest.mark.parametrize("plc", [P4, R22], ids=["4", "2x2"])
-def test_loops_and_branches_match_one_device(new_planner, plc):
+def test_loops_and_branches_match_one_device(plc):
     """A ``scan`` (an RNN-like carry through a split weight, scanned inputs and outputs), a
     ``fori_loop`` (a ``while``) and a ``cond``: their bodies are part of the problem; values as
     plain JAX's on one device, compiled collectives as ``explain`` lists."""
@@ -186,7 +178,7 @@ def test_loops_and_branches_match_one_device(new_planner, plc):
 
 
 @pytest.mark.parametrize("sbp", ["B", "S(0)"])
-def test_a_linear_solve_is_a_call_of_its_solve(new_planner, sbp):
+def test_a_linear_solve_is_a_call_of_its_solve(sbp):
     """``custom_linear_solve`` (``jnp.linalg.solve`` and its gradient) is planned as a call of its
     ``solve`` jaxpr on the operands that jaxpr reads; values match one device."""
     av = rand(4, 4) + 4 * np.eye(4, dtype=np.float32)
@@ -200,7 +192,7 @@ def test_a_linear_solve_is_a_call_of_its_solve(new_planner, sbp):
     _run_and_check(f, (a, y), jax.jit(f)(av, yv), rtol=1e-4, atol=1e-5)
 
 
-def test_a_primitive_without_a_rule_runs_replicated_with_a_warning(new_planner):
+def test_a_primitive_without_a_rule_runs_replicated_with_a_warning():
     """A primitive jsbp has no rule for (``x[::-1] * 2`` along dim 0: not elementwise) runs
     replicated, its operand gathered, with a ``NoRuleWarning``; values as one device's."""
     from jax.extend.core import Primitive
@@ -218,7 +210,7 @@ def test_a_primitive_without_a_rule_runs_replicated_with_a_warning(new_planner):
     np.testing.assert_allclose(y.numpy(), np.flip(xv * 3.0, 0) * 2 + 1.0, rtol=1e-6)
 
 
-def test_a_program_without_equations_is_planned(new_planner):
+def test_a_program_without_equations_is_planned():
     """A function that returns its argument (``jnp.positive``) has an empty problem; its output
     keeps the input's layout, or is converted to the one asked."""
     xv = rand(8, 4)

@@ -3,7 +3,7 @@
 For every registered primitive there is a table entry below (``CASES``) that traces a small
 representative equation with even and uneven shapes. For every signature its rule offers on the
 placements (4,) and (2, 2), the equation runs on local shards under exactly that signature
-(``jsbp._compiler.forced_program``), and the declared output layout's logical value is compared
+(``jsbp._lower.forced_program``), and the declared output layout's logical value is compared
 with the single-device result.
 
 The inputs are adversarial on purpose:
@@ -43,7 +43,8 @@ from jax.extend import core as jcore
 
 import jsbp
 from jsbp import _sbp
-from jsbp._compiler import candidate_signatures, forced_program, run_program
+from jsbp._emit import run_program
+from jsbp._lower import candidate_signatures, forced_program
 from jsbp.rules import registered
 from jsbp.rules.control import HANDLED_BY_COMPILER
 
@@ -1116,10 +1117,12 @@ def test_every_rule_has_a_docs_line():
 
 
 def test_compiler_handled_list_is_the_compilers():
-    """control.HANDLED_BY_COMPILER (what docs and the registry report) is what the compiler handles."""
-    from jsbp import _compiler
+    """control.HANDLED_BY_COMPILER (what docs and the registry report) is what the planner handles
+    itself: calls it inlines, layout requests, loops, branches and linear solves."""
+    from jsbp import _problem
 
-    assert set(HANDLED_BY_COMPILER) == set(_compiler._HIGHER_ORDER)
+    control = {"scan", "while", "cond", "custom_linear_solve"}
+    assert set(HANDLED_BY_COMPILER) == set(_problem.CALLS | _problem.REQUESTS | control)
     assert not set(HANDLED_BY_COMPILER) & set(registered())
 
 
@@ -1355,9 +1358,7 @@ def test_every_lax_primitive_has_a_rule_or_is_listed():
     from jax._src.lax import lax as lax_core
     from jax._src.lax import slicing, special
 
-    import jsbp._compiler as C
-
-    known = set(registered()) | set(HANDLED_BY_COMPILER) | set(C._HIGHER_ORDER) | _LAX_WITHOUT_RULE
+    known = set(registered()) | set(HANDLED_BY_COMPILER) | _LAX_WITHOUT_RULE
     defined = {
         v.name
         for m in (lax_core, special, slicing)

@@ -15,6 +15,7 @@ import pytest
 
 import jsbp
 from jsbp import sbp
+from jsbp._program import iter_steps
 
 P4 = jsbp.placement("cpu", [0, 1, 2, 3])
 Q22 = jsbp.placement("cpu", [[0, 1], [2, 3]], axis_names=("dp", "tp"))
@@ -404,7 +405,7 @@ def _bits_layouts(fn, *args):
     prog = jsbp.jit(fn).lower_program(*args).program
     return [
         st.out_layouts[0].nd_sbp
-        for _, st in jsbp._compiler.iter_steps(prog)
+        for _, st in iter_steps(prog)
         if st.eqn.primitive.name == "random_bits"
     ]
 

@@ -1,7 +1,8 @@
-"""Higher-order primitives (jit, custom_jvp_call, custom_vjp_call, remat, scan, while, cond) are
-handled by the compiler itself (``jsbp._compiler``): call-like ones are inlined, loops get a
-fixed-point carry layout, cond branches are boxed to one output layout. This module lists them so
-the registry can report them as supported."""
+"""Higher-order primitives (jit, custom_jvp_call, custom_vjp_call, remat, scan, while, cond) and
+layout requests are handled by the planner itself (``jsbp._problem``): call-like ones are inlined,
+loops and branches are part of the problem with their boundary layouts chosen with the rest, a
+request's value is boxed to the layout it asks for. This module lists them so the registry can
+report them as supported."""
 
 # fmt: off
 HANDLED_BY_COMPILER = (
