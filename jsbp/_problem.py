@@ -195,7 +195,7 @@ class Problem:
 
     def conversion(self, val: Value, src: tuple, dst: tuple, share: float | None = None) -> float:
         """Boxing ``val`` from ``src`` to ``dst`` (``_boxing.conversion_cost``: bytes per device,
-        ``latency_bytes`` per collective, local moves' small charges), ``val.times`` times; a
+        ``latency_bytes`` per collective, ``op_bytes`` per local move), ``val.times`` times; a
         deferrable value's conversion that joins a combined collective (``combined_collective``)
         pays ``share`` of its latency (default: ``self.share`` where ``joined`` is None or has
         that collective, else a whole latency)."""
@@ -203,7 +203,7 @@ class Problem:
             return 0.0
         latency = self.model.latency_bytes
         hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
-        cost = conversion_cost(src, dst, val.shape, hier, size, latency)
+        cost = conversion_cost(src, dst, val.shape, hier, size, latency, self.model.op_bytes)
         if val.deferrable:
             for k in combined_collective(src, dst, val.shape, hier, size):
                 if share is not None:
