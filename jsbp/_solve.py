@@ -477,12 +477,18 @@ def eliminate(prob: Problem) -> list[int]:
     return choice[: len(prob.nodes)]
 
 
+REPRICINGS = 4
+"""Most re-runs of elimination priced from the best plan so far (``solve``)."""
+
+
 def solve(prob: Problem) -> list[int]:
     """The cheapest assignment found: the exact optimum where the problem is small
-    (``EXACT_MAX_VARS``); else elimination (``eliminate``) three times, the cheapest answer by
-    ``Problem.cost`` polished by local search: deferrable conversions charged a whole latency
-    each; then a share of one (one over their number) where they join a combined collective that
-    first plan has, a whole one where they open another; then a share anywhere."""
+    (``EXACT_MAX_VARS``); else elimination (``eliminate``) under three pricings of the deferrable
+    conversions, the cheapest answer by ``Problem.cost`` polished by local search: a whole latency
+    each; a share of one (one over their number) where they join a combined collective that first
+    plan has, a whole one where they open another; a share anywhere. Then, while it improves,
+    elimination again priced from the best plan so far (a share where a conversion joins one of
+    its combined collectives), polished: a plan whose groups differ from the first pricing's."""
     best = exact(prob, max_vars=EXACT_MAX_VARS)
     if best is not None:
         return best
@@ -496,4 +502,16 @@ def solve(prob: Problem) -> list[int]:
         prob.joined = None
         tries.append(eliminate(prob))
         prob.share = 1.0
-    return local_search(prob, min(tries, key=prob.cost))
+    best = local_search(prob, min(tries, key=prob.cost))
+    best_cost = prob.cost(best)
+    for _ in range(REPRICINGS if late else 0):
+        prob.share = 1.0 / len(late)
+        prob.joined = frozenset().union(*(prob.groups(v, best) for v in late))
+        again = eliminate(prob)
+        prob.share, prob.joined = 1.0, None
+        again = local_search(prob, again)
+        cost = prob.cost(again)
+        if cost >= best_cost - 1e-6:
+            break
+        best, best_cost = again, cost
+    return best
