@@ -481,14 +481,23 @@ REPRICINGS = 4
 """Most re-runs of elimination priced from the best plan so far (``solve``)."""
 
 
+def _parts(prob: Problem, choice, late) -> frozenset:
+    """The combined collectives ``choice`` runs, each with the part of its latency a member pays
+    (one over its members)."""
+    from collections import Counter
+
+    members = Counter(g for v in late for g in prob.groups(v, choice))
+    return frozenset((g, 1.0 / n) for g, n in members.items())
+
+
 def solve(prob: Problem) -> list[int]:
     """The cheapest assignment found: the exact optimum where the problem is small
     (``EXACT_MAX_VARS``); else elimination (``eliminate``) under three pricings of the deferrable
     conversions, the cheapest answer by ``Problem.cost`` polished by local search: a whole latency
-    each; a share of one (one over their number) where they join a combined collective that first
-    plan has, a whole one where they open another; a share anywhere. Then, while it improves,
-    elimination again priced from the best plan so far (a share where a conversion joins one of
-    its combined collectives), polished: a plan whose groups differ from the first pricing's."""
+    each; a part of one where they join a combined collective that first plan has (one over its
+    members there), a whole one where they open another; a share anywhere (one over their number).
+    Then, while it improves, elimination again priced from the best plan so far (its combined
+    collectives, each member a part), polished: a plan whose groups differ from the first's."""
     best = exact(prob, max_vars=EXACT_MAX_VARS)
     if best is not None:
         return best
@@ -496,19 +505,18 @@ def solve(prob: Problem) -> list[int]:
     first = eliminate(prob)
     tries = [first]
     if late:
-        prob.share = 1.0 / len(late)
-        prob.joined = frozenset().union(*(prob.groups(v, first) for v in late))
+        prob.joined = _parts(prob, first, late)
         tries.append(eliminate(prob))
         prob.joined = None
+        prob.share = 1.0 / len(late)
         tries.append(eliminate(prob))
         prob.share = 1.0
     best = local_search(prob, min(tries, key=prob.cost))
     best_cost = prob.cost(best)
     for _ in range(REPRICINGS if late else 0):
-        prob.share = 1.0 / len(late)
-        prob.joined = frozenset().union(*(prob.groups(v, best) for v in late))
+        prob.joined = _parts(prob, best, late)
         again = eliminate(prob)
-        prob.share, prob.joined = 1.0, None
+        prob.joined = None
         again = local_search(prob, again)
         cost = prob.cost(again)
         if cost >= best_cost - 1e-6:

@@ -367,11 +367,6 @@ def test_zero1_all_reduces_gradients_and_all_gathers_parameters():
     assert counts == kinds
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="planner: the position table's gradient (a scatter-add inside a nested call) is "
-    "gathered there and the word table's reduce-scattered alone: 4 compiled collectives, not 2",
-)
 def test_zero2_reduce_scatters_gradients_and_never_all_reduces_them():
     plan, counts = _plan_and_counts("dp=8", 2)
     scatters = [b for b in plan.boxings() if b.collectives == ("reduce-scatter",)]
@@ -386,11 +381,6 @@ def test_zero2_reduce_scatters_gradients_and_never_all_reduces_them():
     assert counts == plan.collectives() and counts["all-reduce"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="planner: the position table's gradient (a scatter-add inside a nested call) is "
-    "all-reduced alone before its slice: 3 compiled collectives, not 2",
-)
 def test_zero3_gathers_parameters_before_use_and_reduce_scatters_gradients():
     plan, counts = _plan_and_counts("dp=8", 3)
     gathers = [b for b in plan.boxings() if "all-gather" in b.collectives]
