@@ -42,7 +42,10 @@ SWEEPS = 8
 def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list[int]:
     """Move one node at a time to the candidate that lowers ``Problem.cost`` most (its compute,
     the conversions of the values it reads and makes, and the combined collectives their
-    deferrable conversions join), until a sweep changes nothing."""
+    deferrable conversions join), until a sweep changes nothing. A node's candidates are priced
+    at once from the conversion tables (``_moves``); a node is priced again only once a node it
+    shares a value with has moved (or, touching a deferrable value, once the combined collectives
+    have changed): until then its best move is the one it had."""
     from collections import Counter
 
     choice = list(choice)
@@ -51,38 +54,113 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
     for v in prob.values:
         if v.deferrable:
             groups.update(prob.groups(v, choice))
+    moves, late_nodes = _moves(prob)
+    dirty = [len(n.cands) > 1 for n in prob.nodes]
     for _ in range(sweeps):
         changed = False
         for u, n in enumerate(prob.nodes):
-            if len(n.cands) < 2:
+            if not dirty[u]:
                 continue
-            touched = list({id(v): v for v in (*n.operands, *n.outputs) if v is not None}.values())
-            late = [v for v in touched if v.deferrable]
-            for v in late:  # the groups without the touched values
-                groups.subtract(prob.groups(v, choice))
-
-            def local(c, u=u, n=n, touched=touched, late=late):
-                choice[u] = c
-                cost = float(n.compute[c]) + sum(prob.value_cost(v, choice, 0.0) for v in touched)
-                if late:
-                    joined = set().union(*(prob.groups(v, choice) for v in late))
-                    cost += latency * sum(1 for g in joined if groups[g] <= 0)
-                return cost
-
+            dirty[u] = False
+            near, priced, late = moves[u]
             cur = choice[u]
-            best, best_c = local(cur), cur
-            for c in range(len(n.cands)):
-                if c != cur:
-                    cost = local(c)
-                    if cost < best - 1e-6:
-                        best, best_c = cost, c
+            cost = n.compute + sum(price(choice) for price in priced)
+            if late:
+                before = [prob.groups(v, choice) for v in late]
+                for g in before:  # the groups without the touched values
+                    groups.subtract(g)
+                cost = cost.copy()
+                for c in range(len(n.cands)):
+                    choice[u] = c
+                    joined = set().union(*(prob.groups(v, choice) for v in late))
+                    cost[c] += latency * sum(1 for g in joined if groups[g] <= 0)
+            best, best_c = cost[cur], cur
+            if cost.min() < best - 1e-6:  # the first cheaper by 1e-6 than the best before it
+                for c in range(len(n.cands)):
+                    if c != cur and cost[c] < best - 1e-6:
+                        best, best_c = cost[c], c
             choice[u] = best_c
-            for v in late:
-                groups.update(prob.groups(v, choice))
-            changed = changed or best_c != cur
+            if late:
+                after = [prob.groups(v, choice) for v in late]
+                for g in after:
+                    groups.update(g)
+                if after != before:
+                    for w in late_nodes:
+                        if w != u and len(prob.nodes[w].cands) > 1:
+                            dirty[w] = True
+            if best_c != cur:
+                changed = True
+                for w in near:
+                    dirty[w] = True
         if not changed:
             break
     return choice
+
+
+def _moves(prob: Problem):
+    """For ``local_search``, per node: the nodes sharing a value with it (with more than one
+    candidate), a function per value it touches giving that value's conversions per candidate of
+    the node (the others held), and its deferrable values; and the nodes touching a deferrable
+    value. Kept in ``Problem.cache``."""
+    hit = prob.cache.get("moves")
+    if hit is not None:
+        return hit
+    tables = prob.cache.setdefault("tables", _Tables(prob))
+    nodes = prob.nodes
+    moves, late_nodes = [], []
+    for u, n in enumerate(nodes):
+        touched = list({id(v): v for v in (*n.operands, *n.outputs) if v is not None}.values())
+        near = set()
+        for v in touched:
+            if v.producer is not None:
+                near.add(v.producer[0])
+            near.update(w for w, _ in v.uses)
+        near.discard(u)
+        near = [w for w in near if len(nodes[w].cands) > 1]
+        priced = [_pricer(prob, tables, u, v) for v in touched if v.uses or v.wants]
+        late = [v for v in touched if v.deferrable]
+        if late:
+            late_nodes.append(u)
+        moves.append((near, priced, late))
+    hit = prob.cache["moves"] = (moves, late_nodes)
+    return hit
+
+
+def _pricer(prob: Problem, tables, u: int, val):
+    """A function of the assignment: ``val``'s conversions (``Problem.value_cost``, a deferrable
+    value's latency not charged) per candidate of node ``u``, the other nodes as assigned."""
+    index, sub = tables.of(val, share=0.0)
+    nodes = prob.nodes
+    n = nodes[u]
+
+    def idx(nds):
+        return np.array([index(nd) for nd in nds], dtype=np.intp)
+
+    src = None
+    if val.producer is not None and val.producer[0] == u:
+        src = idx([outs[val.producer[1]] for _, outs in n.cands])
+    mine = [
+        idx([ins[i] for ins, _ in n.cands]) for i in dict.fromkeys(i for w, i in val.uses if w == u)
+    ]
+    others = [(nodes[w].cands, i, w) for w, i in val.uses if w != u]
+    wants = {index(nd) for nd in val.wants}
+
+    def price(choice):
+        fixed = set(wants)
+        for cands, i, w in others:
+            fixed.add(index(cands[choice[w]][0][i]))
+        s = src if src is not None else idx([prob.layout(val, choice)])
+        cols = np.fromiter(fixed, np.intp, len(fixed))
+        cost = sub(s, cols).sum(1)
+        for k, r in enumerate(mine):  # a layout u asks that nobody else (nor an earlier operand) does
+            new = ~np.isin(r, cols)
+            for q in mine[:k]:
+                new &= r != q
+            extra = np.diagonal(sub(src, r)) if src is not None else sub(s, r)[0]
+            cost = cost + np.where(new, extra, 0.0)
+        return cost
+
+    return price
 
 
 def exact(
@@ -195,10 +273,13 @@ class _Tables:
         self.prob = prob
         self.by_kind: dict = {}  # key -> [index dict, table, a value of that kind]
 
-    def of(self, val):
+    def of(self, val, share: float | None = None):
+        """Functions of ``val``'s kind: ``index(nd)``, a layout's row and column, and
+        ``sub(rows, cols)``, that table's block scaled by ``val.times`` (a deferrable value's
+        latency priced as ``Problem.conversion``'s ``share``)."""
         key = (val.shape, val.aval.dtype, val.deferrable)
         if val.deferrable:
-            key += (self.prob.share, self.prob.joined)
+            key += (share,) if share is not None else (self.prob.share, self.prob.joined)
         entry = self.by_kind.get(key)
         if entry is None:
             entry = self.by_kind[key] = [{}, np.full((0, 0), np.nan), val]
@@ -224,7 +305,7 @@ class _Tables:
                 for a in np.unique(rows):
                     for b in np.unique(cols):
                         if np.isnan(table[a, b]):
-                            table[a, b] = self.prob.conversion(proto, nds[a], nds[b])
+                            table[a, b] = self.prob.conversion(proto, nds[a], nds[b], share)
                 block = table[np.ix_(rows, cols)]
             return block * val.times
 
