@@ -474,21 +474,64 @@ def _core_exact(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dic
 
 def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.5) -> dict:
     """A candidate per node of ``core`` (the pairwise model left after elimination): min-sum
-    belief propagation (damped), the cheapest round's decoding polished by ``_icm``."""
-    msgs = {(u, w): np.zeros(len(unary[w])) for u in core for w in adj[u]}
+    belief propagation (damped), the cheapest round's decoding polished by ``_icm``. The messages
+    live in one array, those into a node in its neighbours' order; the edges of one shape are
+    updated together; the rounds stop early once a round leaves every message as it was."""
+    if not core:
+        return {}
+    size = np.array([len(unary[u]) for u in core])
+    off = dict(zip(core, np.concatenate([[0], np.cumsum(size)[:-1]]).tolist()))
+    flat_unary = np.concatenate([unary[u] for u in core])
+    moff, tgt, pos = {}, [], 0  # message (k, u): its offset; each entry's candidate of u
+    for u in core:
+        for k in adj[u]:
+            moff[(k, u)] = pos
+            tgt.append(off[u] + np.arange(len(unary[u])))
+            pos += len(unary[u])
+    tgt = np.concatenate(tgt) if tgt else np.zeros(0, np.intp)
+    buckets: dict = {}  # (cu, cw) -> directed edges u -> w with matrices of that shape
+    for u in core:
+        for w, m in adj[u].items():
+            buckets.setdefault(m.shape, []).append((u, w, m))
+    plan = []
+    for (cu, cw), edges in buckets.items():
+        mats = np.stack([m for _, _, m in edges])
+        src = np.array([off[u] for u, _, _ in edges])[:, None] + np.arange(cu)
+        rev = np.array([moff[(w, u)] for u, w, _ in edges])[:, None] + np.arange(cu)
+        dst = np.array([moff[(u, w)] for u, w, _ in edges])[:, None] + np.arange(cw)
+        plan.append((mats, src, rev, dst, edges))
+    index = {u: i for i, u in enumerate(core)}
+    rows = np.repeat(np.arange(len(core)), size)
+    cols = np.arange(len(flat_unary)) - np.repeat(np.array([off[u] for u in core]), size)
+    padded = np.full((len(core), int(size.max())), np.inf)
+    ups = [
+        (
+            mats[[i for i, (u, w, _) in enumerate(edges) if u < w]],
+            np.array([index[u] for u, w, _ in edges if u < w], dtype=np.intp),
+            np.array([index[w] for u, w, _ in edges if u < w], dtype=np.intp),
+        )
+        for mats, _, _, _, edges in plan
+    ]
+    starts = np.array([off[u] for u in core])
+    msgs = np.zeros(pos)
     best, best_e = None, np.inf
     for _ in range(rounds):
-        belief = {u: unary[u] + sum((msgs[(k, u)] for k in adj[u]), 0.0) for u in core}
-        choice = {u: int(np.argmin(b)) for u, b in belief.items()}
-        e = _energy(core, unary, adj, choice)
+        belief = flat_unary + np.bincount(tgt, weights=msgs, minlength=len(flat_unary))
+        padded[rows, cols] = belief
+        pick = padded.argmin(1)
+        e = float(flat_unary[starts + pick].sum())
+        for mats, a, b in ups:
+            if len(a):
+                e += float(mats[np.arange(len(a)), pick[a], pick[b]].sum())
         if e < best_e - 1e-9:
-            best, best_e = choice, e
-        new = {}
-        for u in core:
-            for w, m in adj[u].items():
-                msg = (m + (belief[u] - msgs[(w, u)])[:, None]).min(0)
-                msg -= msg.min()
-                new[(u, w)] = damping * msgs[(u, w)] + (1.0 - damping) * msg
+            best, best_e = dict(zip(core, pick.tolist())), e
+        new = np.empty_like(msgs)
+        for mats, src, rev, dst, _ in plan:
+            msg = (mats + (belief[src] - msgs[rev])[:, :, None]).min(1)
+            msg -= msg.min(1, keepdims=True)
+            new[dst] = damping * msgs[dst] + (1.0 - damping) * msg
+        if np.array_equal(new, msgs):
+            break
         msgs = new
     if best is None:
         best = {u: int(np.argmin(unary[u])) for u in core}
