@@ -62,18 +62,18 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
             if not dirty[u]:
                 continue
             dirty[u] = False
-            near, priced, late = moves[u]
+            near, priced, late, late_vals = moves[u]
             cur = choice[u]
             cost = n.compute + sum(price(choice) for price in priced)
             if late:
-                before = [prob.groups(v, choice) for v in late]
+                before = [prob.groups(v, choice) for v in late_vals]
                 for g in before:  # the groups without the touched values
                     groups.subtract(g)
-                cost = cost.copy()
-                for c in range(len(n.cands)):
-                    choice[u] = c
-                    joined = set().union(*(prob.groups(v, choice) for v in late))
-                    cost[c] += latency * sum(1 for g in joined if groups[g] <= 0)
+                each = [joins(choice) for joins in late]
+                cost = cost + [
+                    latency * sum(1 for g in set().union(*per) if groups[g] <= 0)
+                    for per in zip(*each)
+                ]
             best, best_c = cost[cur], cur
             if cost.min() < best - 1e-6:  # the first cheaper by 1e-6 than the best before it
                 for c in range(len(n.cands)):
@@ -81,7 +81,7 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
                         best, best_c = cost[c], c
             choice[u] = best_c
             if late:
-                after = [prob.groups(v, choice) for v in late]
+                after = [prob.groups(v, choice) for v in late_vals]
                 for g in after:
                     groups.update(g)
                 if after != before:
@@ -100,8 +100,9 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
 def _moves(prob: Problem):
     """For ``local_search``, per node: the nodes sharing a value with it (with more than one
     candidate), a function per value it touches giving that value's conversions per candidate of
-    the node (the others held), and its deferrable values; and the nodes touching a deferrable
-    value. Kept in ``Problem.cache``."""
+    the node (the others held, ``_pricer``), one per deferrable value it touches giving the
+    combined collectives that value joins per candidate (``_joins``), and those values; and the
+    nodes touching a deferrable value. Kept in ``Problem.cache``."""
     hit = prob.cache.get("moves")
     if hit is not None:
         return hit
@@ -118,12 +119,43 @@ def _moves(prob: Problem):
         near.discard(u)
         near = [w for w in near if len(nodes[w].cands) > 1]
         priced = [_pricer(prob, tables, u, v) for v in touched if v.uses or v.wants]
-        late = [v for v in touched if v.deferrable]
+        late_vals = [v for v in touched if v.deferrable]
+        late = [_joins(prob, u, v) for v in late_vals]
         if late:
             late_nodes.append(u)
-        moves.append((near, priced, late))
+        moves.append((near, priced, late, late_vals))
     hit = prob.cache["moves"] = (moves, late_nodes)
     return hit
+
+
+def _joins(prob: Problem, u: int, val):
+    """A function of the assignment: the combined collectives (``Problem.groups``) a deferrable
+    ``val`` joins, per candidate of node ``u``, the other nodes as assigned."""
+    nodes = prob.nodes
+    n = nodes[u]
+    hier, size = prob.placement.hierarchy, itemsize(val.aval.dtype)
+    src = None
+    if val.producer is not None and val.producer[0] == u:
+        src = [outs[val.producer[1]] for _, outs in n.cands]
+    mine = [[ins[i] for ins, _ in n.cands] for i in dict.fromkeys(i for w, i in val.uses if w == u)]
+    others = [(nodes[w].cands, i, w) for w, i in val.uses if w != u]
+
+    def groups(s, wanted):
+        return {g for t in wanted for g in combined_collective(s, t, val.shape, hier, size)}
+
+    def joins(choice):
+        fixed = set(val.wants)
+        for cands, i, w in others:
+            fixed.add(cands[choice[w]][0][i])
+        if src is None and not mine:
+            return [groups(prob.layout(val, choice), fixed)] * len(n.cands)
+        s = prob.layout(val, choice) if src is None else None
+        return [
+            groups(s if src is None else src[c], fixed.union(r[c] for r in mine))
+            for c in range(len(n.cands))
+        ]
+
+    return joins
 
 
 def _pricer(prob: Problem, tables, u: int, val):
