@@ -170,9 +170,9 @@ def _pricer(prob: Problem, tables, u: int, val):
 
     src = None
     if val.producer is not None and val.producer[0] == u:
-        src = idx([outs[val.producer[1]] for _, outs in n.cands])
+        src = tables.columns(val, n.cands, 1, val.producer[1])
     mine = [
-        idx([ins[i] for ins, _ in n.cands]) for i in dict.fromkeys(i for w, i in val.uses if w == u)
+        tables.columns(val, n.cands, 0, i) for i in dict.fromkeys(i for w, i in val.uses if w == u)
     ]
     others = [(nodes[w].cands, i, w) for w, i in val.uses if w != u]
     wants = {index(nd) for nd in val.wants}
@@ -304,6 +304,8 @@ class _Tables:
     def __init__(self, prob: Problem):
         self.prob = prob
         self.by_kind: dict = {}  # key -> [index dict, table, a value of that kind]
+        self.layouts: dict = {}  # (shape, dtype) -> {layout: its row and column}
+        self.cols: dict = {}  # ``columns``' arrays
 
     def of(self, val, share: float | None = None):
         """Functions of ``val``'s kind: ``index(nd)``, a layout's row and column, and
@@ -314,14 +316,39 @@ class _Tables:
             key += (share,) if share is not None else (self.prob.share, self.prob.joined)
         entry = self.by_kind.get(key)
         if entry is None:
-            entry = self.by_kind[key] = [{}, np.full((0, 0), np.nan), val]
-        lays = entry[0]
+            lays = self.layouts.setdefault((val.shape, val.aval.dtype), {})
+            entry = self.by_kind[key] = [lays, np.full((0, 0), np.nan), val]
+        return self._index(val.shape, val.aval.dtype), self._sub(entry, val.times, share)
+
+    def columns(self, val, cands, side: int, pos: int) -> np.ndarray:
+        """The rows (``index``) of the layouts ``cands`` (a node's candidates) give operand
+        (``side`` 0) or result (``side`` 1) ``pos``, the value ``val``; one array per list of
+        candidates (identical equations share theirs) and shape."""
+        key = (id(cands), side, pos, val.shape, val.aval.dtype)
+        hit = self.cols.get(key)
+        if hit is None or hit[0] is not cands:
+            index = self._index(val.shape, val.aval.dtype)
+            rows = np.array([index(c[side][pos]) for c in cands], dtype=np.intp)
+            hit = self.cols[key] = (cands, rows)
+        return hit[1]
+
+    def _index(self, shape, dtype):
+        """``index(nd)``: a layout's row and column in the tables of ``(shape, dtype)``."""
+        lays = self.layouts.setdefault((shape, dtype), {})
 
         def index(nd):
             k = lays.get(nd)
             if k is None:
                 k = lays[nd] = len(lays)
             return k
+
+        return index
+
+    def _sub(self, entry, times, share):
+
+        """``sub(rows, cols)``: the block of ``entry``'s table, filled where not yet read, scaled
+        by ``times``."""
+        lays = entry[0]
 
         def sub(rows, cols):
             n = len(lays)
@@ -330,7 +357,7 @@ class _Tables:
                 grown[: entry[1].shape[0], : entry[1].shape[1]] = entry[1]
                 entry[1] = grown
             table = entry[1]
-            block = table[np.ix_(rows, cols)]
+            block = table[rows[:, None], cols]
             if np.isnan(block).any():
                 nds = list(lays)
                 proto = dataclasses.replace(entry[2], times=1.0)  # (the same shape and share)
@@ -338,10 +365,10 @@ class _Tables:
                     for b in np.unique(cols):
                         if np.isnan(table[a, b]):
                             table[a, b] = self.prob.conversion(proto, nds[a], nds[b], share)
-                block = table[np.ix_(rows, cols)]
-            return block * val.times
+                block = table[rows[:, None], cols]
+            return block * times
 
-        return index, sub
+        return sub
 
 
 def _pairwise(prob: Problem):
@@ -386,9 +413,9 @@ def _add_values(prob: Problem, values, unary, adj) -> None:
             p, src = None, idx([val.nd])
         else:
             p, j = val.producer
-            src = idx([outs[j] for _, outs in nodes[p].cands])
+            src = tables.columns(val, nodes[p].cands, 1, j)
         asked = {
-            u: [idx([ins[i] for ins, _ in nodes[u].cands]) for i in dict.fromkeys(ii)]
+            u: [tables.columns(val, nodes[u].cands, 0, i) for i in dict.fromkeys(ii)]
             for u, ii in readers.items()
         }
         want = idx(val.wants)
