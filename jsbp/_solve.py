@@ -383,7 +383,7 @@ def _pairwise(prob: Problem):
         adj: list[dict] = [{} for _ in prob.nodes]
         _add_values(prob, [v for v in prob.values if not v.deferrable], unary, adj)
         static = prob.cache["pairwise"] = (unary, adj)
-    unary = [u.copy() for u in static[0]]
+    unary = list(static[0])  # (arrays never changed in place: ``eliminate`` reuses its steps)
     adj = [dict(a) for a in static[1]]
     _add_values(prob, [v for v in prob.values if v.deferrable], unary, adj)
     return unary, adj
@@ -431,7 +431,7 @@ def _add_values(prob: Problem, values, unary, adj) -> None:
 
         if p is None and len(readers) <= 1:
             for u in readers:
-                unary[u] += reads(u, src)[0]
+                unary[u] = unary[u] + reads(u, src)[0]
             continue
         if p is not None and len(readers) + bool(val.wants) <= 1:
             if val.wants:
@@ -612,6 +612,24 @@ def eliminate(prob: Problem) -> list[int]:
     alive = [True] * n
     record: list = []
     queue = [u for u in range(n) if len(adj[u]) <= 2]
+    # per step: the arrays it read and what it made; a later run (``solve``'s other pricings)
+    # whose step reads the very same arrays takes what that step made
+    steps = prob.cache.setdefault("steps", {})
+    k = 0
+
+    def made(at, arrays, fold):
+        nonlocal k
+        hit = steps.get(k)
+        if (
+            hit is None
+            or hit[0] != at
+            or len(hit[1]) != len(arrays)
+            or any(a is not b for a, b in zip(hit[1], arrays))
+        ):
+            hit = steps[k] = (at, arrays, fold())
+        k += 1
+        return hit[2]
+
     while queue:
         u = queue.pop()
         if not alive[u] or len(adj[u]) > 2:
@@ -621,9 +639,13 @@ def eliminate(prob: Problem) -> list[int]:
             record.append((u, None, None, None))
         elif len(nb) == 1:
             (w,) = nb
-            tot = adj[w][u] + unary[u][None, :]
-            record.append((u, w, None, tot.argmin(1)))
-            unary[w] = unary[w] + tot.min(1)
+
+            def fold(m=adj[w][u], a=unary[u], b=unary[w]):
+                tot = m + a[None, :]
+                return tot.argmin(1), b + tot.min(1)
+
+            arg, unary[w] = made(u, (adj[w][u], unary[u], unary[w]), fold)
+            record.append((u, w, None, arg))
             del adj[w][u]
             if len(adj[w]) <= 2:
                 queue.append(w)
@@ -632,12 +654,16 @@ def eliminate(prob: Problem) -> list[int]:
             m1, m2 = adj[w1][u], adj[u][w2]
             if m1.shape[0] * m1.shape[1] * m2.shape[1] > CHAIN_MAX:
                 continue
-            tot = m1[:, :, None] + unary[u][None, :, None] + m2[None, :, :]
-            record.append((u, w1, w2, tot.argmin(1)))
-            best = tot.min(1)
+
+            def chain(m1=m1, m2=m2, a=unary[u], old=adj[w1].get(w2)):
+                tot = m1[:, :, None] + a[None, :, None] + m2[None, :, :]
+                best = tot.min(1)
+                joined = old + best if old is not None else best
+                return tot.argmin(1), joined, joined.T
+
+            arg, adj[w1][w2], adj[w2][w1] = made(u, (m1, unary[u], m2, adj[w1].get(w2)), chain)
+            record.append((u, w1, w2, arg))
             del adj[w1][u], adj[w2][u]
-            adj[w1][w2] = adj[w1][w2] + best if w2 in adj[w1] else best
-            adj[w2][w1] = adj[w1][w2].T
             for w in (w1, w2):
                 if len(adj[w]) <= 2:
                     queue.append(w)
@@ -645,9 +671,13 @@ def eliminate(prob: Problem) -> list[int]:
         adj[u] = {}
     choice = [0] * n
     core = [u for u in range(n) if alive[u]]
-    got = _core_exact(core, unary, adj)
-    if got is None:
-        got = _min_sum(core, unary, adj)
+    inputs = (*(unary[u] for u in core), *(m for u in core for m in adj[u].values()))
+
+    def solve_core():
+        got = _core_exact(core, unary, adj)
+        return _min_sum(core, unary, adj) if got is None else got
+
+    got = made(tuple(core), inputs, solve_core)
     for u, c in got.items():
         choice[u] = c
     for u, w1, w2, arg in reversed(record):
