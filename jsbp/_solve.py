@@ -558,7 +558,7 @@ def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.
         src = np.array([off[u] for u, _, _ in edges])[:, None] + np.arange(cu)
         rev = np.array([moff[(w, u)] for u, w, _ in edges])[:, None] + np.arange(cu)
         dst = np.array([moff[(u, w)] for u, w, _ in edges])[:, None] + np.arange(cw)
-        plan.append((mats, src, rev, dst, edges))
+        plan.append((mats, src, rev, dst, edges, np.empty_like(mats)))
     index = {u: i for i, u in enumerate(core)}
     rows = np.repeat(np.arange(len(core)), size)
     cols = np.arange(len(flat_unary)) - np.repeat(np.array([off[u] for u in core]), size)
@@ -569,7 +569,7 @@ def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.
             np.array([index[u] for u, w, _ in edges if u < w], dtype=np.intp),
             np.array([index[w] for u, w, _ in edges if u < w], dtype=np.intp),
         )
-        for mats, _, _, _, edges in plan
+        for mats, _, _, _, edges, _ in plan
     ]
     starts = np.array([off[u] for u in core])
     msgs = np.zeros(pos)
@@ -585,8 +585,8 @@ def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.
         if e < best_e - 1e-9:
             best, best_e = dict(zip(core, pick.tolist())), e
         new = np.empty_like(msgs)
-        for mats, src, rev, dst, _ in plan:
-            msg = (mats + (belief[src] - msgs[rev])[:, :, None]).min(1)
+        for mats, src, rev, dst, _, buf in plan:
+            msg = np.add(mats, (belief[src] - msgs[rev])[:, :, None], out=buf).min(1)
             msg -= msg.min(1, keepdims=True)
             new[dst] = damping * msgs[dst] + (1.0 - damping) * msg
         if np.array_equal(new, msgs):
