@@ -435,7 +435,7 @@ def _add_values(prob: Problem, values, unary, adj) -> None:
             continue
         if p is not None and len(readers) + bool(val.wants) <= 1:
             if val.wants:
-                unary[p] += sub(src, want).sum(1)
+                unary[p] = unary[p] + sub(src, want).sum(1)
             for u in readers:
                 edge(p, u, reads(u, src))
             continue
