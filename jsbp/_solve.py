@@ -306,6 +306,8 @@ class _Tables:
         self.by_kind: dict = {}  # key -> [index dict, table, a value of that kind]
         self.layouts: dict = {}  # (shape, dtype) -> {layout: its row and column}
         self.cols: dict = {}  # ``columns``' arrays
+        self.made: dict = {}  # (key, times) -> ``of``'s functions
+        self.indexes: dict = {}  # (shape, dtype) -> its ``index``
 
     def of(self, val, share: float | None = None):
         """Functions of ``val``'s kind: ``index(nd)``, a layout's row and column, and
@@ -314,11 +316,15 @@ class _Tables:
         key = (val.shape, val.aval.dtype, val.deferrable)
         if val.deferrable:
             key += (share,) if share is not None else (self.prob.share, self.prob.joined)
-        entry = self.by_kind.get(key)
-        if entry is None:
-            lays = self.layouts.setdefault((val.shape, val.aval.dtype), {})
-            entry = self.by_kind[key] = [lays, np.full((0, 0), np.nan), val]
-        return self._index(val.shape, val.aval.dtype), self._sub(entry, val.times, share)
+        hit = self.made.get((key, val.times))
+        if hit is None:
+            entry = self.by_kind.get(key)
+            if entry is None:
+                lays = self.layouts.setdefault((val.shape, val.aval.dtype), {})
+                entry = self.by_kind[key] = [lays, np.full((0, 0), np.nan), val]
+            index = self._index(val.shape, val.aval.dtype)
+            hit = self.made[(key, val.times)] = (index, self._sub(entry, val.times, share))
+        return hit
 
     def columns(self, val, cands, side: int, pos: int) -> np.ndarray:
         """The rows (``index``) of the layouts ``cands`` (a node's candidates) give operand
@@ -334,6 +340,9 @@ class _Tables:
 
     def _index(self, shape, dtype):
         """``index(nd)``: a layout's row and column in the tables of ``(shape, dtype)``."""
+        hit = self.indexes.get((shape, dtype))
+        if hit is not None:
+            return hit
         lays = self.layouts.setdefault((shape, dtype), {})
 
         def index(nd):
@@ -342,10 +351,10 @@ class _Tables:
                 k = lays[nd] = len(lays)
             return k
 
+        self.indexes[(shape, dtype)] = index
         return index
 
     def _sub(self, entry, times, share):
-
         """``sub(rows, cols)``: the block of ``entry``'s table, filled where not yet read, scaled
         by ``times``."""
         lays = entry[0]
@@ -642,7 +651,8 @@ def eliminate(prob: Problem) -> list[int]:
 
             def fold(m=adj[w][u], a=unary[u], b=unary[w]):
                 tot = m + a[None, :]
-                return tot.argmin(1), b + tot.min(1)
+                arg = tot.argmin(1)
+                return arg, b + np.take_along_axis(tot, arg[:, None], 1)[:, 0]
 
             arg, unary[w] = made(u, (adj[w][u], unary[u], unary[w]), fold)
             record.append((u, w, None, arg))
@@ -656,10 +666,11 @@ def eliminate(prob: Problem) -> list[int]:
                 continue
 
             def chain(m1=m1, m2=m2, a=unary[u], old=adj[w1].get(w2)):
-                tot = m1[:, :, None] + a[None, :, None] + m2[None, :, :]
-                best = tot.min(1)
+                tot = (m1 + a[None, :])[:, :, None] + m2[None, :, :]
+                arg = tot.argmin(1)
+                best = np.take_along_axis(tot, arg[:, None, :], 1)[:, 0, :]
                 joined = old + best if old is not None else best
-                return tot.argmin(1), joined, joined.T
+                return arg, joined, joined.T
 
             arg, adj[w1][w2], adj[w2][w1] = made(u, (m1, unary[u], m2, adj[w1].get(w2)), chain)
             record.append((u, w1, w2, arg))
