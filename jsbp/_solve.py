@@ -610,6 +610,13 @@ CHAIN_MAX = 1 << 22
 """Largest ``C1 * C * C2`` table a chain elimination builds (floats), else the node stays."""
 
 
+def _same(a, b) -> bool:
+    """Whether two of the pairwise model's arrays (or None) hold the same numbers."""
+    if a is b:
+        return True
+    return a is not None and b is not None and a.shape == b.shape and np.array_equal(a, b)
+
+
 def eliminate(prob: Problem) -> list[int]:
     """Graph elimination on the pairwise model (``_pairwise``), as OneFlow's SBP graph does: a
     node with one neighbour folds into it (its best candidate per the neighbour's), a node with two
@@ -622,7 +629,7 @@ def eliminate(prob: Problem) -> list[int]:
     record: list = []
     queue = [u for u in range(n) if len(adj[u]) <= 2]
     # per step: the arrays it read and what it made; a later run (``solve``'s other pricings)
-    # whose step reads the very same arrays takes what that step made
+    # whose step reads the same numbers takes what that step made
     steps = prob.cache.setdefault("steps", {})
     k = 0
 
@@ -633,7 +640,7 @@ def eliminate(prob: Problem) -> list[int]:
             hit is None
             or hit[0] != at
             or len(hit[1]) != len(arrays)
-            or any(a is not b for a, b in zip(hit[1], arrays))
+            or not all(_same(a, b) for a, b in zip(hit[1], arrays))
         ):
             hit = steps[k] = (at, arrays, fold())
         k += 1
