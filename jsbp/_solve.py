@@ -184,7 +184,7 @@ def _pricer(prob: Problem, tables, u: int, val):
         s = src if src is not None else idx([prob.layout(val, choice)])
         cols = np.fromiter(fixed, np.intp, len(fixed))
         cost = sub(s, cols).sum(1)
-        for k, r in enumerate(mine):  # a layout u asks that nobody else (nor an earlier operand) does
+        for k, r in enumerate(mine):  # a layout u asks that no other reader or operand does
             new = ~np.isin(r, cols)
             for q in mine[:k]:
                 new &= r != q
@@ -672,14 +672,16 @@ def eliminate(prob: Problem) -> list[int]:
             if m1.shape[0] * m1.shape[1] * m2.shape[1] > CHAIN_MAX:
                 continue
 
-            def chain(m1=m1, m2=m2, a=unary[u], old=adj[w1].get(w2)):
+            old = adj[w1].get(w2)
+
+            def chain(m1=m1, m2=m2, a=unary[u], old=old):
                 tot = (m1 + a[None, :])[:, :, None] + m2[None, :, :]
                 arg = tot.argmin(1)
                 best = np.take_along_axis(tot, arg[:, None, :], 1)[:, 0, :]
                 joined = old + best if old is not None else best
                 return arg, joined, joined.T
 
-            arg, adj[w1][w2], adj[w2][w1] = made(u, (m1, unary[u], m2, adj[w1].get(w2)), chain)
+            arg, adj[w1][w2], adj[w2][w1] = made(u, (m1, unary[u], m2, old), chain)
             record.append((u, w1, w2, arg))
             del adj[w1][u], adj[w2][u]
             for w in (w1, w2):
