@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/boxing.py            # 64 MiB float32 (4096 x 4096), 8 simulated CPU devices
     python benchmarks/boxing.py --quick    # 4 MiB (1024 x 1024), fewer repetitions
+    python benchmarks/boxing.py --op-launch  # the cost model's op_launch only
 
 For every 1-d conversion between S(0), S(1), B and P on 8 devices it times, interleaved in one run
 (at least ``--reps`` rounds, the methods in a new random order each round, every call ended by
@@ -271,6 +272,42 @@ def bench_overhead(reps: int, plc, explicit_mesh):
     return rows
 
 
+def op_launch(plc, reps: int, ops: int = 100) -> float:
+    """Seconds one more op takes inside a compiled program (``jsbp.CostModel.op_launch``): the
+    step time of a chain of ``ops`` small elementwise ops, each followed by a local slice of a
+    replicated (16, 12) block (what a conversion B -> S runs), less the same chain without the
+    slices, over ``ops``; each op is kept apart by an optimization barrier. Minimum over ``reps``
+    rounds of 20 calls."""
+    from jax.sharding import PartitionSpec as P
+
+    axis = plc.mesh.axis_names[0]
+
+    def chain(sliced):
+        def body(x):
+            for _ in range(ops):
+                if sliced:
+                    i = jax.lax.axis_index(axis) % 2 * 8
+                    x = jax.lax.dynamic_slice_in_dim(jnp.concatenate([x, x]), i, 8, 0)
+                x = jax.lax.optimization_barrier(jnp.sin(x))
+            return x
+
+        return jax.jit(
+            jax.shard_map(body, mesh=plc.mesh, in_specs=P(), out_specs=P(), check_vma=False)
+        )
+
+    x = jnp.ones((8, 12), jnp.float32)
+    fns = {s: chain(s) for s in (False, True)}
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(reps):
+        for s, f in fns.items():
+            f(x).block_until_ready()
+            t = time.perf_counter()
+            for _ in range(20):
+                f(x).block_until_ready()
+            best[s] = min(best[s], (time.perf_counter() - t) / 20)
+    return (best[True] - best[False]) / ops
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -289,6 +326,11 @@ def main(argv=None) -> int:
         help='conversions to run, e.g. --only "P->S(0)" "S(1)->B" (default: all twelve)',
     )
     ap.add_argument("--no-overhead", action="store_true", help="skip the eager-call table")
+    ap.add_argument(
+        "--op-launch",
+        action="store_true",
+        help="only measure the cost model's op_launch (seconds one more op takes in a program)",
+    )
     args = ap.parse_args(argv)
     n = args.n or (1024 if args.quick else 4096)
     reps = args.reps or (5 if args.quick else 7)
@@ -299,6 +341,10 @@ def main(argv=None) -> int:
         return 1
     devices = devices[:8]
     plc = jsbp.placement(devices[0].platform, [d.id for d in devices])
+    if args.op_launch:
+        t = op_launch(plc, reps)
+        print(f"op_launch: {t * 1e6:.2f} us per op (jsbp.CostModel default {jsbp.CostModel().op_launch * 1e6:g} us)")
+        return 0
     auto_mesh = plc.mesh
     explicit_mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,), devices=devices)
 

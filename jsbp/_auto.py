@@ -38,6 +38,7 @@ from ._cost import (
 )
 from ._errors import SbpError
 from ._layout import layout_of, normalise_nd
+from ._lower import plan
 from ._placement import placement as Placement
 from ._tensor import GlobalTensor, tensor
 
@@ -258,7 +259,7 @@ def auto_layouts(
     closed, _, _ = _trace(fn, treedef, (), b_lays, dtypes, placement)
     out_avals = closed.out_avals
 
-    def plan(nds):
+    def plan_of(nds):
         lays = [layout_of(placement, nd, s) for nd, s in zip(nds, shapes)]
         spec = (
             out_sbp(jax.tree_util.tree_unflatten(treedef, list(nds)))
@@ -276,7 +277,7 @@ def auto_layouts(
         nds = tuple(nds)
         hit = cache.get(nds)
         if hit is None:
-            est, spec = plan(nds)
+            est, spec = plan_of(nds)
             over = 0 if budget is None else max(0, est.peak_bytes - budget)
             hit = cache[nds] = ((over, est.seconds, est.peak_bytes), est, spec)
         return hit

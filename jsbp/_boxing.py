@@ -184,11 +184,13 @@ def conversion_cost(
     hierarchy: tuple[int, ...],
     itemsize: int,
     latency_bytes: float,
+    op_bytes: float = 0.0,
 ) -> float:
     """What the conversion ``plan`` runs costs in byte-equivalents per device: the bytes each move
-    receives, ``latency_bytes`` per collective, and each local move's small fixed charge and
-    addends charge (``move_cost``, ``_addends_cost``: a zero-fill S -> P is free by its bytes but
-    makes addends a later collective must reduce). A tensor without elements costs nothing."""
+    receives, ``latency_bytes`` per collective, ``op_bytes`` per move (the op it runs: a slice, a
+    zero-fill, a combined collective member's copies in and out), a local move's fixed charge
+    and addends charge (``move_cost``, ``_addends_cost``: a zero-fill S -> P is free by its bytes
+    but makes addends a later collective must reduce). A tensor without elements costs nothing."""
     if src == dst or math.prod(shape) == 0:
         return 0.0
     total = float(math.prod(shape) * itemsize)
@@ -196,7 +198,7 @@ def conversion_cost(
     state, cost = list(src), 0.0
     for mv in path:
         cost += (mv.bytes_per_device + _addends_cost(tuple(state), mv, hierarchy)) * total
-        cost += latency_bytes if mv.collective else move_cost(mv) - mv.bytes_per_device
+        cost += op_bytes + (latency_bytes if mv.collective else move_cost(mv) - mv.bytes_per_device)
         for a in mv.axes:
             state[a] = mv.dst
     return cost

@@ -170,6 +170,7 @@ class Node:
     kind: str = "prim"  # prim | annotate | hold (a loop's or branch's boundary: no equation)
     # candidate index -> (jaxpr, consts): a candidate run as its own small program (``_rewrite``)
     local: dict = dataclasses.field(default_factory=dict)
+    nested: bool = False  # inside a call's program (its conversions run there, never combined)
 
 
 @dataclasses.dataclass(eq=False)
@@ -189,29 +190,31 @@ class Problem:
     # the part of a latency a deferrable value's conversion is charged by ``conversion`` (the
     # solver's estimate of sharing it; ``cost`` counts one latency per combined collective)
     share: float = 1.0
-    # the combined collectives (kind, axes) that charge ``share``; None: all of them (the others
-    # charge a whole latency: joining a collective the plan has costs less than opening one)
+    # the combined collectives (kind, axes) a conversion may join and the part of a latency it pays
+    # there, as (collective, part) pairs; None: all of them at ``share`` (the others charge a
+    # whole latency: joining a collective the plan has costs less than opening one)
     joined: frozenset | None = None
 
     def conversion(self, val: Value, src: tuple, dst: tuple, share: float | None = None) -> float:
         """Boxing ``val`` from ``src`` to ``dst`` (``_boxing.conversion_cost``: bytes per device,
-        ``latency_bytes`` per collective, local moves' small charges), ``val.times`` times; a
+        ``latency_bytes`` per collective, ``op_bytes`` per move), ``val.times`` times; a
         deferrable value's conversion that joins a combined collective (``combined_collective``)
-        pays ``share`` of its latency (default: ``self.share`` where ``joined`` is None or has
-        that collective, else a whole latency)."""
+        pays ``share`` of its latency (default: ``self.share`` where ``joined`` is None, its
+        part where ``joined`` has that collective, else a whole latency)."""
         if src == dst:
             return 0.0
         latency = self.model.latency_bytes
         hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
-        cost = conversion_cost(src, dst, val.shape, hier, size, latency)
+        cost = conversion_cost(src, dst, val.shape, hier, size, latency, self.model.op_bytes)
         if val.deferrable:
+            parts = None if self.joined is None else dict(self.joined)
             for k in combined_collective(src, dst, val.shape, hier, size):
                 if share is not None:
                     part = share
-                elif self.joined is None or k in self.joined:
+                elif parts is None:
                     part = self.share
                 else:
-                    part = 1.0
+                    part = parts.get(k, 1.0)
                 cost -= latency * (1.0 - part)
         return val.times * cost
 
@@ -335,6 +338,7 @@ def build(
     alias: dict = {}
     cands_memo: dict = {}
     b = (B,) * placement.ndim
+    calls = [0]  # how many call programs the walk is in
 
     def new_value(aval, nd=None, times=1.0) -> Value:
         val = Value(aval, nd=nd, times=times)
@@ -349,6 +353,7 @@ def build(
     def add_node(node: Node, out_avals, times) -> int:
         """Append ``node``, its reads recorded, and new values for its results (None: dropped)."""
         u = len(nodes)
+        node.nested = calls[0] > 0
         for i, val in enumerate(node.operands):
             if val is not None:
                 val.uses.append((u, i))
@@ -522,7 +527,9 @@ def build(
                 for v, val in zip(inner.invars, ins):
                     alias[v] = val
                 sub: list = []
+                calls[0] += 1
                 walk(inner, inner_consts, sub, times)
+                calls[0] -= 1
                 for o, v in zip(eqn.outvars, inner.outvars):
                     if not isinstance(o, jcore.DropVar):
                         alias[o] = read(v, times)
@@ -578,9 +585,10 @@ CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 def deferrable(nodes, values) -> None:
     """Mark the values whose conversions run as one combined collective: those from which no
     contraction (``CONTRACTIONS``), loop or branch can be reached, outside loops (a weight
-    gradient on its way through the optimizer to the outputs; a loss). Nothing downstream of them
-    waits for a collective's result, so ``_combine`` puts their collectives of one kind in one
-    group: ``Problem.cost`` charges one latency per group, not per conversion."""
+    gradient on its way through the optimizer to the outputs; a loss), and read by no node inside
+    a call's program (``_combine`` groups the top-level conversions only). Nothing downstream of
+    them waits for a collective's result, so ``_combine`` puts their collectives of one kind in
+    one group: ``Problem.cost`` charges one latency per group, not per conversion."""
     blocks = [False] * len(nodes)  # whether a contraction, loop or branch is reachable from u
     for u in range(len(nodes) - 1, -1, -1):
         n = nodes[u]
@@ -592,7 +600,9 @@ def deferrable(nodes, values) -> None:
     late = [
         val
         for val in values
-        if val.times == 1.0 and (val.uses or val.wants) and not any(blocks[w] for w, _ in val.uses)
+        if val.times == 1.0
+        and (val.uses or val.wants)
+        and not any(blocks[w] or nodes[w].nested for w, _ in val.uses)
     ]
     for val in late:
         val.deferrable = True

@@ -42,7 +42,10 @@ SWEEPS = 8
 def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list[int]:
     """Move one node at a time to the candidate that lowers ``Problem.cost`` most (its compute,
     the conversions of the values it reads and makes, and the combined collectives their
-    deferrable conversions join), until a sweep changes nothing."""
+    deferrable conversions join), until a sweep changes nothing. A node's candidates are priced
+    at once from the conversion tables (``_moves``); a node is priced again only once a node it
+    shares a value with has moved (or, touching a deferrable value, once the combined collectives
+    have changed): until then its best move is the one it had."""
     from collections import Counter
 
     choice = list(choice)
@@ -51,38 +54,145 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
     for v in prob.values:
         if v.deferrable:
             groups.update(prob.groups(v, choice))
+    moves, late_nodes = _moves(prob)
+    dirty = [len(n.cands) > 1 for n in prob.nodes]
     for _ in range(sweeps):
         changed = False
         for u, n in enumerate(prob.nodes):
-            if len(n.cands) < 2:
+            if not dirty[u]:
                 continue
-            touched = list({id(v): v for v in (*n.operands, *n.outputs) if v is not None}.values())
-            late = [v for v in touched if v.deferrable]
-            for v in late:  # the groups without the touched values
-                groups.subtract(prob.groups(v, choice))
-
-            def local(c, u=u, n=n, touched=touched, late=late):
-                choice[u] = c
-                cost = float(n.compute[c]) + sum(prob.value_cost(v, choice, 0.0) for v in touched)
-                if late:
-                    joined = set().union(*(prob.groups(v, choice) for v in late))
-                    cost += latency * sum(1 for g in joined if groups[g] <= 0)
-                return cost
-
+            dirty[u] = False
+            near, priced, late, late_vals = moves[u]
             cur = choice[u]
-            best, best_c = local(cur), cur
-            for c in range(len(n.cands)):
-                if c != cur:
-                    cost = local(c)
-                    if cost < best - 1e-6:
-                        best, best_c = cost, c
+            cost = n.compute + sum(price(choice) for price in priced)
+            if late:
+                before = [prob.groups(v, choice) for v in late_vals]
+                for g in before:  # the groups without the touched values
+                    groups.subtract(g)
+                each = [joins(choice) for joins in late]
+                cost = cost + [
+                    latency * sum(1 for g in set().union(*per) if groups[g] <= 0)
+                    for per in zip(*each)
+                ]
+            best, best_c = cost[cur], cur
+            if cost.min() < best - 1e-6:  # the first cheaper by 1e-6 than the best before it
+                for c in range(len(n.cands)):
+                    if c != cur and cost[c] < best - 1e-6:
+                        best, best_c = cost[c], c
             choice[u] = best_c
-            for v in late:
-                groups.update(prob.groups(v, choice))
-            changed = changed or best_c != cur
+            if late:
+                after = [prob.groups(v, choice) for v in late_vals]
+                for g in after:
+                    groups.update(g)
+                if after != before:
+                    for w in late_nodes:
+                        if w != u and len(prob.nodes[w].cands) > 1:
+                            dirty[w] = True
+            if best_c != cur:
+                changed = True
+                for w in near:
+                    dirty[w] = True
         if not changed:
             break
     return choice
+
+
+def _moves(prob: Problem):
+    """For ``local_search``, per node: the nodes sharing a value with it (with more than one
+    candidate), a function per value it touches giving that value's conversions per candidate of
+    the node (the others held, ``_pricer``), one per deferrable value it touches giving the
+    combined collectives that value joins per candidate (``_joins``), and those values; and the
+    nodes touching a deferrable value. Kept in ``Problem.cache``."""
+    hit = prob.cache.get("moves")
+    if hit is not None:
+        return hit
+    tables = prob.cache.setdefault("tables", _Tables(prob))
+    nodes = prob.nodes
+    moves, late_nodes = [], []
+    for u, n in enumerate(nodes):
+        touched = list({id(v): v for v in (*n.operands, *n.outputs) if v is not None}.values())
+        near = set()
+        for v in touched:
+            if v.producer is not None:
+                near.add(v.producer[0])
+            near.update(w for w, _ in v.uses)
+        near.discard(u)
+        near = [w for w in near if len(nodes[w].cands) > 1]
+        priced = [_pricer(prob, tables, u, v) for v in touched if v.uses or v.wants]
+        late_vals = [v for v in touched if v.deferrable]
+        late = [_joins(prob, u, v) for v in late_vals]
+        if late:
+            late_nodes.append(u)
+        moves.append((near, priced, late, late_vals))
+    hit = prob.cache["moves"] = (moves, late_nodes)
+    return hit
+
+
+def _joins(prob: Problem, u: int, val):
+    """A function of the assignment: the combined collectives (``Problem.groups``) a deferrable
+    ``val`` joins, per candidate of node ``u``, the other nodes as assigned."""
+    nodes = prob.nodes
+    n = nodes[u]
+    hier, size = prob.placement.hierarchy, itemsize(val.aval.dtype)
+    src = None
+    if val.producer is not None and val.producer[0] == u:
+        src = [outs[val.producer[1]] for _, outs in n.cands]
+    mine = [[ins[i] for ins, _ in n.cands] for i in dict.fromkeys(i for w, i in val.uses if w == u)]
+    others = [(nodes[w].cands, i, w) for w, i in val.uses if w != u]
+
+    def groups(s, wanted):
+        return {g for t in wanted for g in combined_collective(s, t, val.shape, hier, size)}
+
+    def joins(choice):
+        fixed = set(val.wants)
+        for cands, i, w in others:
+            fixed.add(cands[choice[w]][0][i])
+        if src is None and not mine:
+            return [groups(prob.layout(val, choice), fixed)] * len(n.cands)
+        s = prob.layout(val, choice) if src is None else None
+        return [
+            groups(s if src is None else src[c], fixed.union(r[c] for r in mine))
+            for c in range(len(n.cands))
+        ]
+
+    return joins
+
+
+def _pricer(prob: Problem, tables, u: int, val):
+    """A function of the assignment: ``val``'s conversions (``Problem.value_cost``, a deferrable
+    value's latency not charged) per candidate of node ``u``, the other nodes as assigned."""
+    index, sub = tables.of(val, share=0.0)
+    nodes = prob.nodes
+    n = nodes[u]
+
+    def idx(nds):
+        return np.array([index(nd) for nd in nds], dtype=np.intp)
+
+    src = None
+    if val.producer is not None and val.producer[0] == u:
+        src = tables.columns(val, n.cands, 1, val.producer[1])
+    mine = [
+        tables.columns(val, n.cands, 0, i) for i in dict.fromkeys(i for w, i in val.uses if w == u)
+    ]
+    others = [(nodes[w].cands, i, w) for w, i in val.uses if w != u]
+    wants = {index(nd) for nd in val.wants}
+
+    def price(choice):
+        fixed = set(wants)
+        for cands, i, w in others:
+            fixed.add(index(cands[choice[w]][0][i]))
+        s = src if src is not None else idx([prob.layout(val, choice)])
+        cols = np.fromiter(fixed, np.intp, len(fixed))
+        cost = sub(s, cols).sum(1)
+        for k, r in enumerate(mine):  # a layout u asks that no other reader or operand does
+            new = ~np.isin(r, cols)
+            for q in mine[:k]:
+                new &= r != q
+            extra = np.diagonal(sub(src, r)) if src is not None else sub(s, r)[0]
+            cost = cost + np.where(new, extra, 0.0)
+        return cost
+
+    return price
 
 
 def exact(
@@ -194,21 +304,60 @@ class _Tables:
     def __init__(self, prob: Problem):
         self.prob = prob
         self.by_kind: dict = {}  # key -> [index dict, table, a value of that kind]
+        self.layouts: dict = {}  # (shape, dtype) -> {layout: its row and column}
+        self.cols: dict = {}  # ``columns``' arrays
+        self.made: dict = {}  # (key, times) -> ``of``'s functions
+        self.indexes: dict = {}  # (shape, dtype) -> its ``index``
 
-    def of(self, val):
+    def of(self, val, share: float | None = None):
+        """Functions of ``val``'s kind: ``index(nd)``, a layout's row and column, and
+        ``sub(rows, cols)``, that table's block scaled by ``val.times`` (a deferrable value's
+        latency priced as ``Problem.conversion``'s ``share``)."""
         key = (val.shape, val.aval.dtype, val.deferrable)
         if val.deferrable:
-            key += (self.prob.share, self.prob.joined)
-        entry = self.by_kind.get(key)
-        if entry is None:
-            entry = self.by_kind[key] = [{}, np.full((0, 0), np.nan), val]
-        lays = entry[0]
+            key += (share,) if share is not None else (self.prob.share, self.prob.joined)
+        hit = self.made.get((key, val.times))
+        if hit is None:
+            entry = self.by_kind.get(key)
+            if entry is None:
+                lays = self.layouts.setdefault((val.shape, val.aval.dtype), {})
+                entry = self.by_kind[key] = [lays, np.full((0, 0), np.nan), val]
+            index = self._index(val.shape, val.aval.dtype)
+            hit = self.made[(key, val.times)] = (index, self._sub(entry, val.times, share))
+        return hit
+
+    def columns(self, val, cands, side: int, pos: int) -> np.ndarray:
+        """The rows (``index``) of the layouts ``cands`` (a node's candidates) give operand
+        (``side`` 0) or result (``side`` 1) ``pos``, the value ``val``; one array per list of
+        candidates (identical equations share theirs) and shape."""
+        key = (id(cands), side, pos, val.shape, val.aval.dtype)
+        hit = self.cols.get(key)
+        if hit is None or hit[0] is not cands:
+            index = self._index(val.shape, val.aval.dtype)
+            rows = np.array([index(c[side][pos]) for c in cands], dtype=np.intp)
+            hit = self.cols[key] = (cands, rows)
+        return hit[1]
+
+    def _index(self, shape, dtype):
+        """``index(nd)``: a layout's row and column in the tables of ``(shape, dtype)``."""
+        hit = self.indexes.get((shape, dtype))
+        if hit is not None:
+            return hit
+        lays = self.layouts.setdefault((shape, dtype), {})
 
         def index(nd):
             k = lays.get(nd)
             if k is None:
                 k = lays[nd] = len(lays)
             return k
+
+        self.indexes[(shape, dtype)] = index
+        return index
+
+    def _sub(self, entry, times, share):
+        """``sub(rows, cols)``: the block of ``entry``'s table, filled where not yet read, scaled
+        by ``times``."""
+        lays = entry[0]
 
         def sub(rows, cols):
             n = len(lays)
@@ -217,18 +366,18 @@ class _Tables:
                 grown[: entry[1].shape[0], : entry[1].shape[1]] = entry[1]
                 entry[1] = grown
             table = entry[1]
-            block = table[np.ix_(rows, cols)]
+            block = table[rows[:, None], cols]
             if np.isnan(block).any():
                 nds = list(lays)
                 proto = dataclasses.replace(entry[2], times=1.0)  # (the same shape and share)
                 for a in np.unique(rows):
                     for b in np.unique(cols):
                         if np.isnan(table[a, b]):
-                            table[a, b] = self.prob.conversion(proto, nds[a], nds[b])
-                block = table[np.ix_(rows, cols)]
-            return block * val.times
+                            table[a, b] = self.prob.conversion(proto, nds[a], nds[b], share)
+                block = table[rows[:, None], cols]
+            return block * times
 
-        return index, sub
+        return sub
 
 
 def _pairwise(prob: Problem):
@@ -243,7 +392,7 @@ def _pairwise(prob: Problem):
         adj: list[dict] = [{} for _ in prob.nodes]
         _add_values(prob, [v for v in prob.values if not v.deferrable], unary, adj)
         static = prob.cache["pairwise"] = (unary, adj)
-    unary = [u.copy() for u in static[0]]
+    unary = list(static[0])  # (arrays never changed in place: ``eliminate`` reuses its steps)
     adj = [dict(a) for a in static[1]]
     _add_values(prob, [v for v in prob.values if v.deferrable], unary, adj)
     return unary, adj
@@ -273,9 +422,9 @@ def _add_values(prob: Problem, values, unary, adj) -> None:
             p, src = None, idx([val.nd])
         else:
             p, j = val.producer
-            src = idx([outs[j] for _, outs in nodes[p].cands])
+            src = tables.columns(val, nodes[p].cands, 1, j)
         asked = {
-            u: [idx([ins[i] for ins, _ in nodes[u].cands]) for i in dict.fromkeys(ii)]
+            u: [tables.columns(val, nodes[u].cands, 0, i) for i in dict.fromkeys(ii)]
             for u, ii in readers.items()
         }
         want = idx(val.wants)
@@ -291,11 +440,11 @@ def _add_values(prob: Problem, values, unary, adj) -> None:
 
         if p is None and len(readers) <= 1:
             for u in readers:
-                unary[u] += reads(u, src)[0]
+                unary[u] = unary[u] + reads(u, src)[0]
             continue
         if p is not None and len(readers) + bool(val.wants) <= 1:
             if val.wants:
-                unary[p] += sub(src, want).sum(1)
+                unary[p] = unary[p] + sub(src, want).sum(1)
             for u in readers:
                 edge(p, u, reads(u, src))
             continue
@@ -393,21 +542,64 @@ def _core_exact(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dic
 
 def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.5) -> dict:
     """A candidate per node of ``core`` (the pairwise model left after elimination): min-sum
-    belief propagation (damped), the cheapest round's decoding polished by ``_icm``."""
-    msgs = {(u, w): np.zeros(len(unary[w])) for u in core for w in adj[u]}
+    belief propagation (damped), the cheapest round's decoding polished by ``_icm``. The messages
+    live in one array, those into a node in its neighbours' order; the edges of one shape are
+    updated together; the rounds stop early once a round leaves every message as it was."""
+    if not core:
+        return {}
+    size = np.array([len(unary[u]) for u in core])
+    off = dict(zip(core, np.concatenate([[0], np.cumsum(size)[:-1]]).tolist()))
+    flat_unary = np.concatenate([unary[u] for u in core])
+    moff, tgt, pos = {}, [], 0  # message (k, u): its offset; each entry's candidate of u
+    for u in core:
+        for k in adj[u]:
+            moff[(k, u)] = pos
+            tgt.append(off[u] + np.arange(len(unary[u])))
+            pos += len(unary[u])
+    tgt = np.concatenate(tgt) if tgt else np.zeros(0, np.intp)
+    buckets: dict = {}  # (cu, cw) -> directed edges u -> w with matrices of that shape
+    for u in core:
+        for w, m in adj[u].items():
+            buckets.setdefault(m.shape, []).append((u, w, m))
+    plan = []
+    for (cu, cw), edges in buckets.items():
+        mats = np.stack([m for _, _, m in edges])
+        src = np.array([off[u] for u, _, _ in edges])[:, None] + np.arange(cu)
+        rev = np.array([moff[(w, u)] for u, w, _ in edges])[:, None] + np.arange(cu)
+        dst = np.array([moff[(u, w)] for u, w, _ in edges])[:, None] + np.arange(cw)
+        plan.append((mats, src, rev, dst, edges, np.empty_like(mats)))
+    index = {u: i for i, u in enumerate(core)}
+    rows = np.repeat(np.arange(len(core)), size)
+    cols = np.arange(len(flat_unary)) - np.repeat(np.array([off[u] for u in core]), size)
+    padded = np.full((len(core), int(size.max())), np.inf)
+    ups = [
+        (
+            mats[[i for i, (u, w, _) in enumerate(edges) if u < w]],
+            np.array([index[u] for u, w, _ in edges if u < w], dtype=np.intp),
+            np.array([index[w] for u, w, _ in edges if u < w], dtype=np.intp),
+        )
+        for mats, _, _, _, edges, _ in plan
+    ]
+    starts = np.array([off[u] for u in core])
+    msgs = np.zeros(pos)
     best, best_e = None, np.inf
     for _ in range(rounds):
-        belief = {u: unary[u] + sum((msgs[(k, u)] for k in adj[u]), 0.0) for u in core}
-        choice = {u: int(np.argmin(b)) for u, b in belief.items()}
-        e = _energy(core, unary, adj, choice)
+        belief = flat_unary + np.bincount(tgt, weights=msgs, minlength=len(flat_unary))
+        padded[rows, cols] = belief
+        pick = padded.argmin(1)
+        e = float(flat_unary[starts + pick].sum())
+        for mats, a, b in ups:
+            if len(a):
+                e += float(mats[np.arange(len(a)), pick[a], pick[b]].sum())
         if e < best_e - 1e-9:
-            best, best_e = choice, e
-        new = {}
-        for u in core:
-            for w, m in adj[u].items():
-                msg = (m + (belief[u] - msgs[(w, u)])[:, None]).min(0)
-                msg -= msg.min()
-                new[(u, w)] = damping * msgs[(u, w)] + (1.0 - damping) * msg
+            best, best_e = dict(zip(core, pick.tolist())), e
+        new = np.empty_like(msgs)
+        for mats, src, rev, dst, _, buf in plan:
+            msg = np.add(mats, (belief[src] - msgs[rev])[:, :, None], out=buf).min(1)
+            msg -= msg.min(1, keepdims=True)
+            new[dst] = damping * msgs[dst] + (1.0 - damping) * msg
+        if np.array_equal(new, msgs):
+            break
         msgs = new
     if best is None:
         best = {u: int(np.argmin(unary[u])) for u in core}
@@ -416,6 +608,13 @@ def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.
 
 CHAIN_MAX = 1 << 22
 """Largest ``C1 * C * C2`` table a chain elimination builds (floats), else the node stays."""
+
+
+def _same(a, b) -> bool:
+    """Whether two of the pairwise model's arrays (or None) hold the same numbers."""
+    if a is b:
+        return True
+    return a is not None and b is not None and a.shape == b.shape and np.array_equal(a, b)
 
 
 def eliminate(prob: Problem) -> list[int]:
@@ -429,6 +628,24 @@ def eliminate(prob: Problem) -> list[int]:
     alive = [True] * n
     record: list = []
     queue = [u for u in range(n) if len(adj[u]) <= 2]
+    # per step: the arrays it read and what it made; a later run (``solve``'s other pricings)
+    # whose step reads the same numbers takes what that step made
+    steps = prob.cache.setdefault("steps", {})
+    k = 0
+
+    def made(at, arrays, fold):
+        nonlocal k
+        hit = steps.get(k)
+        if (
+            hit is None
+            or hit[0] != at
+            or len(hit[1]) != len(arrays)
+            or not all(_same(a, b) for a, b in zip(hit[1], arrays))
+        ):
+            hit = steps[k] = (at, arrays, fold())
+        k += 1
+        return hit[2]
+
     while queue:
         u = queue.pop()
         if not alive[u] or len(adj[u]) > 2:
@@ -438,9 +655,14 @@ def eliminate(prob: Problem) -> list[int]:
             record.append((u, None, None, None))
         elif len(nb) == 1:
             (w,) = nb
-            tot = adj[w][u] + unary[u][None, :]
-            record.append((u, w, None, tot.argmin(1)))
-            unary[w] = unary[w] + tot.min(1)
+
+            def fold(m=adj[w][u], a=unary[u], b=unary[w]):
+                tot = m + a[None, :]
+                arg = tot.argmin(1)
+                return arg, b + np.take_along_axis(tot, arg[:, None], 1)[:, 0]
+
+            arg, unary[w] = made(u, (adj[w][u], unary[u], unary[w]), fold)
+            record.append((u, w, None, arg))
             del adj[w][u]
             if len(adj[w]) <= 2:
                 queue.append(w)
@@ -449,12 +671,19 @@ def eliminate(prob: Problem) -> list[int]:
             m1, m2 = adj[w1][u], adj[u][w2]
             if m1.shape[0] * m1.shape[1] * m2.shape[1] > CHAIN_MAX:
                 continue
-            tot = m1[:, :, None] + unary[u][None, :, None] + m2[None, :, :]
-            record.append((u, w1, w2, tot.argmin(1)))
-            best = tot.min(1)
+
+            old = adj[w1].get(w2)
+
+            def chain(m1=m1, m2=m2, a=unary[u], old=old):
+                tot = (m1 + a[None, :])[:, :, None] + m2[None, :, :]
+                arg = tot.argmin(1)
+                best = np.take_along_axis(tot, arg[:, None, :], 1)[:, 0, :]
+                joined = old + best if old is not None else best
+                return arg, joined, joined.T
+
+            arg, adj[w1][w2], adj[w2][w1] = made(u, (m1, unary[u], m2, old), chain)
+            record.append((u, w1, w2, arg))
             del adj[w1][u], adj[w2][u]
-            adj[w1][w2] = adj[w1][w2] + best if w2 in adj[w1] else best
-            adj[w2][w1] = adj[w1][w2].T
             for w in (w1, w2):
                 if len(adj[w]) <= 2:
                     queue.append(w)
@@ -462,9 +691,13 @@ def eliminate(prob: Problem) -> list[int]:
         adj[u] = {}
     choice = [0] * n
     core = [u for u in range(n) if alive[u]]
-    got = _core_exact(core, unary, adj)
-    if got is None:
-        got = _min_sum(core, unary, adj)
+    inputs = (*(unary[u] for u in core), *(m for u in core for m in adj[u].values()))
+
+    def solve_core():
+        got = _core_exact(core, unary, adj)
+        return _min_sum(core, unary, adj) if got is None else got
+
+    got = made(tuple(core), inputs, solve_core)
     for u, c in got.items():
         choice[u] = c
     for u, w1, w2, arg in reversed(record):
@@ -477,12 +710,27 @@ def eliminate(prob: Problem) -> list[int]:
     return choice[: len(prob.nodes)]
 
 
+REPRICINGS = 4
+"""Most re-runs of elimination priced from the best plan so far (``solve``)."""
+
+
+def _parts(prob: Problem, choice, late) -> frozenset:
+    """The combined collectives ``choice`` runs, each with the part of its latency a member pays
+    (one over its members)."""
+    from collections import Counter
+
+    members = Counter(g for v in late for g in prob.groups(v, choice))
+    return frozenset((g, 1.0 / n) for g, n in members.items())
+
+
 def solve(prob: Problem) -> list[int]:
     """The cheapest assignment found: the exact optimum where the problem is small
-    (``EXACT_MAX_VARS``); else elimination (``eliminate``) three times, the cheapest answer by
-    ``Problem.cost`` polished by local search: deferrable conversions charged a whole latency
-    each; then a share of one (one over their number) where they join a combined collective that
-    first plan has, a whole one where they open another; then a share anywhere."""
+    (``EXACT_MAX_VARS``); else elimination (``eliminate``) under three pricings of the deferrable
+    conversions, the cheapest answer by ``Problem.cost`` polished by local search: a whole latency
+    each; a part of one where they join a combined collective that first plan has (one over its
+    members there), a whole one where they open another; a share anywhere (one over their number).
+    Then, while it improves, elimination again priced from the best plan so far (its combined
+    collectives, each member a part), polished: a plan whose groups differ from the first's."""
     best = exact(prob, max_vars=EXACT_MAX_VARS)
     if best is not None:
         return best
@@ -490,10 +738,21 @@ def solve(prob: Problem) -> list[int]:
     first = eliminate(prob)
     tries = [first]
     if late:
-        prob.share = 1.0 / len(late)
-        prob.joined = frozenset().union(*(prob.groups(v, first) for v in late))
+        prob.joined = _parts(prob, first, late)
         tries.append(eliminate(prob))
         prob.joined = None
+        prob.share = 1.0 / len(late)
         tries.append(eliminate(prob))
         prob.share = 1.0
-    return local_search(prob, min(tries, key=prob.cost))
+    best = local_search(prob, min(tries, key=prob.cost))
+    best_cost = prob.cost(best)
+    for _ in range(REPRICINGS if late else 0):
+        prob.joined = _parts(prob, best, late)
+        again = eliminate(prob)
+        prob.joined = None
+        again = local_search(prob, again)
+        cost = prob.cost(again)
+        if cost >= best_cost - 1e-6:
+            break
+        best, best_cost = again, cost
+    return best

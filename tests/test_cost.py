@@ -24,8 +24,9 @@ def _program(jf, *args):
 
 @pytest.mark.parametrize("length", [3, 5])
 def test_a_loop_body_collective_is_launched_once_per_iteration(length):
-    """A scan whose body all-reduces a partial matmul: one collective in the compiled program,
-    ``length`` launched per step, and ``length`` times the body's bytes."""
+    """A scan whose body all-reduces a partial matmul (its operands' layouts pinned in the body,
+    so that gathering both before the loop is not an option): one collective in the compiled
+    program, ``length`` launched per step, and ``length`` times the body's bytes."""
     xs = jsbp.tensor(
         RNG.standard_normal((length, 8, 12)).astype(np.float32), placement=P4, sbp="S(2)"
     )
@@ -33,7 +34,8 @@ def test_a_loop_body_collective_is_launched_once_per_iteration(length):
 
     def f(xs, w):
         def body(c, x):
-            y = jsbp.to_global(x @ w, sbp="B")  # P -> B: one all-reduce per iteration
+            x, wl = jsbp.to_global(x, sbp="S(1)"), jsbp.to_global(w, sbp="S(0)")
+            y = jsbp.to_global(x @ wl, sbp="B")  # P -> B: one all-reduce per iteration
             return c + jnp.tanh(y).sum(), y
 
         return jax.lax.scan(body, jnp.zeros(()), xs)

@@ -441,14 +441,15 @@ def test_tensor_parallel_is_megatron():
 def test_small_vocabulary_gathers_the_table_instead_of_reducing_activations():
     """With CFG's tiny vocabulary the table (vocab x d) is smaller than the activations: jsbp
     all-gathers it once (and reduce-scatters nothing: its gradient is local to each shard) rather
-    than all-reducing the (batch, seq, d) lookup; every other forward collective stays Megatron's."""
+    than all-reducing the (batch, seq, d) lookup; every other forward collective stays Megatron's.
+    The logits are as small: the loss may gather them (one collective) instead of reducing the
+    per-row maximum and sum (two)."""
     table = CFG.vocab * CFG.d_model
     assert table < BATCH * CFG.seq * CFG.d_model  # the premise
     plan, counts = _plan_and_counts("tp=8")
-    gathers = [b for b in plan.boxings() if "all-gather" in b.collectives]
-    assert [(b.src, b.dst, b.shape) for b in gathers] == [
-        ("(S(0))", "(B)", (CFG.vocab, CFG.d_model))
-    ]
+    gathers = [(b.src, b.dst, b.shape) for b in plan.boxings() if "all-gather" in b.collectives]
+    assert gathers[0] == ("(S(0))", "(B)", (CFG.vocab, CFG.d_model))
+    assert gathers[1:] in ([], [("(S(2))", "(B)", (BATCH, CFG.seq, CFG.vocab))]), gathers
     reductions = [b for b in plan.boxings() if "all-reduce" in b.collectives]
     assert all(b.src.startswith("(P") and b.dst == "(B)" for b in reductions)
     # forward: one all-reduce per row-parallel layer; backward: one per column-parallel input

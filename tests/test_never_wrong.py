@@ -547,7 +547,7 @@ def test_cumulative_ops_over_an_evenly_split_dim(plc, sbp):
         big = t(rng.standard_normal((512, 16)).astype(np.float32), plc, "S(0)")
         f = lambda a: jnp.tanh(jnp.cumsum(a, axis=0))
         counts = jsbp.debug.count_collectives(jsbp.jit(f), big)
-        assert sum(counts.values()) == 1 and counts["all-gather"] == 0
+        assert sum(counts.values()) == 1  # (the block totals' all-gather, not the operand's)
         assert jsbp.explain(f, big).total_bytes_per_device < 512 * 16 * 4 / 8
 
 
@@ -579,5 +579,5 @@ def test_products_and_logical_reductions_over_an_evenly_split_dim(plc, sbp):
         big = t(rng.uniform(0.9, 1.1, (512, 16)).astype(np.float32), plc, "S(0)")
         f = lambda a: jnp.prod(a, axis=0)
         counts = jsbp.debug.count_collectives(jsbp.jit(f), big)
-        assert counts["all-gather"] == 0 and sum(counts.values()) == 1
+        assert sum(counts.values()) == 1  # (the per-block products, not the operand)
         assert jsbp.explain(f, big).total_bytes_per_device <= 4 * 16 * 4

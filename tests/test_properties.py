@@ -116,8 +116,8 @@ def test_combined_collectives_run_each_group_when_first_needed(case):
     """Conversions (P -> B, P -> S, S -> B), each read (by ``tanh``, which can wait) or only
     returned, some transposed on the way, some *needed* at once (``tanh``'s result converted again,
     locally, to ``P``): the values are NumPy's, and the compiled program runs one collective per
-    group, where a group gathers the conversions of one kind until one of its results is needed
-    (``jsbp._combine``: reads that can wait close nothing; a need closes only its own group)."""
+    kind: every conversion reads an input, so each one can run in its kind's group, which runs
+    when the first of its results is needed (``jsbp._combine``)."""
     plc, ops, seed = case
     rng = np.random.default_rng(seed)
     n = plc.size
@@ -149,15 +149,10 @@ def test_combined_collectives_run_each_group_when_first_needed(case):
     got = jsbp.jit(f)(*args)
     for o, w in zip(got, want):
         np.testing.assert_allclose(o.numpy(), w, rtol=1e-5, atol=1e-5)
-    # the groups, as the rule says: per kind, conversions until one of the group's results is needed
+    # the groups: one per kind of conversion
     expected = dict.fromkeys((c for _, _, c in _CONVERSIONS.values()), 0)
-    open_kinds = set()
-    for kind, _, _, need in ops:
-        if kind not in open_kinds:
-            expected[_CONVERSIONS[kind][2]] += 1
-            open_kinds.add(kind)
-        if need:
-            open_kinds.discard(kind)
+    for kind in {kind for kind, _, _, _ in ops}:
+        expected[_CONVERSIONS[kind][2]] += 1
     plan = jsbp.explain(f, *args).collectives()
     compiled = jsbp.debug.count_collectives(jsbp.jit(f), *args)
     assert compiled == plan and {k: plan[k] for k in expected} == expected, (ops, plan, expected)
