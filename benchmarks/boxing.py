@@ -343,7 +343,9 @@ def main(argv=None) -> int:
     plc = jsbp.placement(devices[0].platform, [d.id for d in devices])
     if args.op_launch:
         t = op_launch(plc, reps)
-        print(f"op_launch: {t * 1e6:.2f} us per op (jsbp.CostModel default {jsbp.CostModel().op_launch * 1e6:g} us)")
+        print(
+            f"op_launch: {t * 1e6:.2f} us per op (jsbp.CostModel default {jsbp.CostModel().op_launch * 1e6:g} us)"
+        )
         return 0
     auto_mesh = plc.mesh
     explicit_mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,), devices=devices)
