@@ -184,7 +184,7 @@ def conversion_cost(
     hierarchy: tuple[int, ...],
     itemsize: int,
     latency_bytes: float,
-    op_bytes: float = 0.0,
+    op_bytes: float,
 ) -> float:
     """What the conversion ``plan`` runs costs in byte-equivalents per device: the bytes each move
     receives, ``latency_bytes`` per collective, ``op_bytes`` per move (the op it runs: a slice, a

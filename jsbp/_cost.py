@@ -47,7 +47,8 @@ class CostModel:
     # bytes / s copied into / out of a combined collective's buffer (plain copies, the rate of
     # other memory-bound ops; not fitted)
     staging_bandwidth: float = 2.5e10
-    # s one more op takes to run inside the compiled program (a local slice of a conversion):
+    # s one more op takes to run inside the compiled program (each move of a conversion runs
+    # one: a local slice, a zero-fill, a combined collective member's copies):
     # the step-time difference of programs with and without 100 extra slices, over 100
     # (``python benchmarks/boxing.py --op-launch``: 2.4-3.4 us on 8 simulated CPU devices)
     op_launch: float = 2.5e-6
@@ -61,8 +62,8 @@ class CostModel:
 
     @property
     def op_bytes(self) -> float:
-        """One more op's launch (``op_launch``) in the same byte-equivalents: what a local move of
-        a conversion (a slice, a zero-fill) costs besides what it reads."""
+        """One more op's launch (``op_launch``) in the same byte-equivalents: what each move of a
+        conversion costs besides the bytes it moves and its collective's latency."""
         return self.op_launch * self.link_bandwidth
 
 

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import numpy as np
 
@@ -46,8 +47,6 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
     at once from the conversion tables (``_moves``); a node is priced again only once a node it
     shares a value with has moved (or, touching a deferrable value, once the combined collectives
     have changed): until then its best move is the one it had."""
-    from collections import Counter
-
     choice = list(choice)
     latency = prob.model.latency_bytes
     groups = Counter()  # combined collective -> deferrable values joining it
@@ -717,8 +716,6 @@ REPRICINGS = 4
 def _parts(prob: Problem, choice, late) -> frozenset:
     """The combined collectives ``choice`` runs, each with the part of its latency a member pays
     (one over its members)."""
-    from collections import Counter
-
     members = Counter(g for v in late for g in prob.groups(v, choice))
     return frozenset((g, 1.0 / n) for g, n in members.items())
 
