@@ -5,6 +5,7 @@
     python examples/train_gpt.py --parallel tp=8 --json --steps 20
     python examples/train_gpt.py --parallel none       # one device, plain jax.jit (the reference)
     python examples/train_gpt.py --parallel auto --memory-budget 64MiB   # jsbp chooses the layouts
+    python examples/train_gpt.py --parallel cp=8 --seq-len 2048 --batch 4 --steps 5   # context parallel
 
 The model is written once. Every parallelism is a ``jsbp.flax.Strategy`` — layouts only:
 
@@ -18,6 +19,9 @@ The model is written once. Every parallelism is a ``jsbp.flax.Strategy`` — lay
 * ``jsbp.flax.constrain`` pins the residual stream to ``("batch", "seq", "embed")`` — broadcast
   over ``tp`` — which is Megatron's f/g pair: one all-reduce after each row-parallel layer in the
   forward, one after each column-parallel input in the backward, nothing between the pair;
+* ``--parallel cp=N`` splits the sequence (``"seq"``) over ``cp``: attention runs as one
+  ``jsbp.nn.dot_product_attention``, which the planner runs with key/value all-gathered, as a
+  ring of collective-permutes or with the heads split by all-to-all (Ulysses), by cost;
 * ``--zero`` splits optimizer state (1), gradients (2) and parameters (3) over ``dp``;
   ``--accum`` sums gradients over micro-batches and updates once per batch;
 * ``--parallel auto`` lets ``jsbp.flax.Strategy.auto`` choose among all of these (every dp × tp
@@ -66,6 +70,9 @@ AUTO_DEVICES = (
 )
 
 
+AXES = ("dp", "tp", "cp", "pp")  # data, tensor, context (sequence) and pipeline parallelism
+
+
 def parse_parallel(text: str) -> dict[str, int] | str:
     """``"dp=2,tp=4"`` -> ``{"dp": 2, "tp": 4}``; ``"none"`` -> ``{}``; ``"auto"`` -> ``"auto"``."""
     text = text.strip().lower()
@@ -77,9 +84,10 @@ def parse_parallel(text: str) -> dict[str, int] | str:
     for part in text.split(","):
         name, eq, num = part.partition("=")
         name = name.strip()
-        if not eq or name not in ("dp", "tp", "pp") or not num.strip().isdigit() or int(num) < 1:
+        if not eq or name not in AXES or not num.strip().isdigit() or int(num) < 1:
             raise SystemExit(
-                f"--parallel: cannot read {part!r}; write e.g. dp=2,tp=4 (axes dp, tp, pp) or none"
+                f"--parallel: cannot read {part!r}; write e.g. dp=2,tp=4 (axes {', '.join(AXES)}) "
+                "or none"
             )
         if name in out:
             raise SystemExit(f"--parallel: axis {name} given twice in {text!r}")
@@ -94,8 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--parallel",
         default=DEFAULT_PARALLEL,
-        help="'none', 'auto' (jsbp chooses the layouts on 8 devices) or comma-separated dp=N,tp=N,pp=N "
-        "whose product is the device count (default %(default)s)",
+        help="'none', 'auto' (jsbp chooses the layouts on 8 devices) or comma-separated "
+        "dp=N,tp=N,cp=N,pp=N whose product is the device count (default %(default)s)",
+    )
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        default=GPTConfig.seq,
+        help="tokens per sequence (default %(default)s)",
+    )
+    ap.add_argument(
+        "--fused-attention",
+        action="store_true",
+        help="attention as one jsbp.nn.dot_product_attention (always with cp)",
     )
     ap.add_argument(
         "--memory-budget",
@@ -166,6 +185,7 @@ from flax import nnx  # noqa: E402
 
 import jsbp  # noqa: E402
 import jsbp.flax as jflax  # noqa: E402
+import jsbp.nn  # noqa: E402
 
 ACT = ("batch", "seq", "embed")  # the residual stream's logical dims
 
@@ -178,6 +198,9 @@ class GPTConfig:
     n_heads: int = 8
     n_layers: int = 2
     d_mlp: int = 256
+    # attention as one ``jsbp.nn.dot_product_attention`` (else written out: einsum, mask,
+    # softmax, einsum); a sequence split over cp then runs it all-gathered, as a ring or by heads
+    fused_attention: bool = False
 
 
 def _w(names, std=0.02):
@@ -206,6 +229,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         d = cfg.d_model
         self.n_heads = cfg.n_heads
+        self.fused = cfg.fused_attention
         self.q = _linear(d, d, ("embed", "heads"), rngs)  # column-parallel
         # no key bias: it adds a constant per query row, which the softmax cancels (zero gradient)
         self.k = _linear(d, d, ("embed", "heads"), rngs, bias=False)
@@ -220,6 +244,8 @@ class Attention(nnx.Module):
         q = self.q(x).reshape(b, t, h, d // h)
         k = self.k(x).reshape(b, t, h, d // h)
         v = self.v(x).reshape(b, t, h, d // h)
+        if self.fused:
+            return self.o(jsbp.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d))
         s = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d // h)
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), s.shape)
         causal = jflax.constrain(causal, ("batch", "heads", None, None), grad_sbp=None)
@@ -342,7 +368,7 @@ LOGICAL_AXES = {
     "heads": "tp",
     "mlp": "tp",
     "embed": None,
-    "seq": None,
+    "seq": "cp",
 }
 
 
@@ -568,7 +594,8 @@ def main(argv=None) -> int:
         print(text, file=out, flush=True)
 
     corpus = Corpus()
-    cfg = GPTConfig(vocab=corpus.vocab)
+    fused = args.fused_attention or (axes != "auto" and axes.get("cp", 1) > 1)
+    cfg = GPTConfig(vocab=corpus.vocab, seq=args.seq_len, fused_attention=fused)
     show(
         f"jsbp train_gpt: {len(corpus.tokens)} characters, vocab {len(corpus.chars)} (padded to {cfg.vocab}), "
         f"{jax.device_count()} {jax.devices()[0].platform} device(s)"

@@ -68,7 +68,7 @@ def _register_outer_packages():
 
 _register_outer_packages()
 
-_LAZY = ("viz", "checkpoint", "flax", "pipeline", "launch")
+_LAZY = ("viz", "checkpoint", "flax", "pipeline", "launch", "nn")
 
 
 def __getattr__(name):

@@ -66,6 +66,15 @@ class CostModel:
         conversion costs besides the bytes it moves and its collective's latency."""
         return self.op_launch * self.link_bandwidth
 
+    def local_seconds(self, lc) -> float:
+        """Seconds one device spends in a rule's ``LocalCost``: its FLOPs at ``flop_rate``, its
+        collectives' bytes at ``link_bandwidth`` and one ``latency`` each; transfers that overlap
+        the FLOPs (``lc.overlapped``) cost only what the FLOPs do not hide."""
+        compute = lc.flops / self.flop_rate
+        comm = sum(b for _, b in lc.collectives) / self.link_bandwidth
+        both = max(compute, comm) if lc.overlapped else compute + comm
+        return len(lc.collectives) * self.latency + both
+
 
 DEFAULT_COST = CostModel()
 
@@ -151,7 +160,10 @@ def _compute(prog: Program, mult: float = 1.0) -> tuple[float, float]:
         if st.kind != "prim":
             continue
         name = st.eqn.primitive.name
-        if name == "dot_general":
+        lc = _local_cost(st)
+        if lc is not None:
+            flops += mult * lc.flops
+        elif name == "dot_general":
             flops += mult * _dot_flops(st)
         elif name == "conv_general_dilated":
             flops += mult * _conv_flops(st)
@@ -160,6 +172,30 @@ def _compute(prog: Program, mult: float = 1.0) -> tuple[float, float]:
             outs = sum(local_bytes(l, v.aval.dtype) for l, v in zip(st.out_layouts, st.eqn.outvars))
             traffic += mult * (ins + outs)
     return flops, traffic
+
+
+def _local_cost(st):
+    """The ``LocalCost`` of a step whose rule states one (``rules.LocalCost``), else None."""
+    rule = st.rule
+    if st.kind != "prim" or rule is None or rule.cost is None:
+        return None
+    return rule.local_cost(
+        st.eqn,
+        st.in_layouts[0].placement,
+        [l.nd_sbp for l in st.in_layouts],
+        [l.nd_sbp for l in st.out_layouts],
+    )
+
+
+def local_costs(prog: Program, times: int = 1):
+    """(step, its ``LocalCost``, runs per step) for every step of ``prog`` whose rule states
+    one, nested programs included (a loop body's once per iteration)."""
+    for st in prog.steps:
+        lc = _local_cost(st)
+        if lc is not None:
+            yield st, lc, times
+        for sub in subprograms(st):
+            yield from local_costs(sub, times * trips(st))
 
 
 def _boxings(prog: Program, times: int = 1):
@@ -195,6 +231,10 @@ def _comm(prog: Program) -> tuple[float, int, int, float]:
         n = 1 if bx.group is not None else len(bx.collectives)
         launched += times * n
         compiled += n
+    for _, lc, times in local_costs(prog):
+        nbytes += times * sum(b for _, b in lc.collectives)
+        launched += times * len(lc.collectives)
+        compiled += len(lc.collectives)
     return nbytes, launched, compiled, staging
 
 
@@ -264,8 +304,14 @@ def estimate(prog: Program, cost: CostModel = DEFAULT_COST) -> Estimate:
     flops, traffic = _compute(prog)
     inputs = sum(_var_bytes(v, lay) for v, lay in zip(prog.jaxpr.invars, prog.in_layouts))
     peak = inputs + _intermediate_peak(prog, _updates(prog))
+    hidden = 0.0  # transfers of rules' local implementations that run under their FLOPs
+    for _, lc, times in local_costs(prog):
+        if lc.overlapped:
+            moved = sum(b for _, b in lc.collectives) / cost.link_bandwidth
+            hidden += times * min(lc.flops / cost.flop_rate, moved)
     seconds = (
         comm_bytes / cost.link_bandwidth
+        - hidden
         + count * cost.latency
         + flops / cost.flop_rate
         + traffic / cost.mem_bandwidth

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import _hooks, _sbp
-from ._cost import estimate
+from ._cost import estimate, local_costs
 from ._program import iter_steps, subprograms
 from .debug._collectives import COLLECTIVES
 
@@ -49,6 +49,8 @@ class PlanRow:
     outputs: tuple[str, ...]
     boxings: tuple[BoxingRow, ...]
     note: str = ""  # "no rule: replicated" for a primitive without an SBP rule
+    # collectives the op's own local implementation runs (``rules.LocalCost``: a ring)
+    collectives: tuple[str, ...] = ()
 
 
 def _fmt_bytes(n: float) -> str:
@@ -101,6 +103,9 @@ class Plan:
                 seen.add(b.combined)
             for c in b.collectives:
                 out[c] += 1
+        for r in self.rows:
+            for c in r.collectives:
+                out[c] += 1
         return out
 
     @property
@@ -137,6 +142,7 @@ class Plan:
 
 def plan_of_program(prog, placement) -> Plan:
     rows = []
+    local = {id(st): lc for st, lc, _ in local_costs(prog)}
     for depth, st in iter_steps(prog):
         arriving = list(st.in_layouts)
         for bx in reversed(st.boxings):  # an operand's first boxing starts from what arrives
@@ -147,6 +153,8 @@ def plan_of_program(prog, placement) -> Plan:
             + " -> "
             + ", ".join(_sbp.nd_str(l.nd_sbp) for l in st.out_layouts)
         )
+        lc = local.get(id(st))
+        note = "no rule: replicated" if st.rule is not None and st.rule.fallback else ""
         rows.append(
             PlanRow(
                 depth,
@@ -155,7 +163,8 @@ def plan_of_program(prog, placement) -> Plan:
                 sig,
                 tuple(_sbp.nd_str(l.nd_sbp) for l in st.out_layouts),
                 tuple(_boxing_row(b) for b in st.boxings),
-                "no rule: replicated" if st.rule is not None and st.rule.fallback else "",
+                lc.note if lc is not None else note,
+                tuple(k for k, _ in lc.collectives) if lc is not None else (),
             )
         )
         for s in subprograms(st):

@@ -486,6 +486,14 @@ def build(
                     "box an operand with jsbp.to_global(..., sbp=...) to a layout the op supports."
                 )
             work = _work(eqn, cands, hier, model)
+            if rule.cost is not None:
+                work = np.array(
+                    [
+                        model.local_seconds(rule.local_cost(eqn, placement, *c))
+                        * model.link_bandwidth
+                        for c in cands
+                    ]
+                )
             extra = rewrites(eqn, placement) if local is not None else []
             for in_nd, out_nd, jx, jx_consts in extra:
                 cands.append(((in_nd,), (out_nd,)))

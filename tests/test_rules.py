@@ -269,6 +269,28 @@ for _name, _fn in (("cumsum", lax.cumsum), ("cumprod", lax.cumprod), ("cummax", 
             case(_name, lambda x, a=_ax, f=_fn: f(x, a), f32(*_shape, dom=dom))
     case(_name, lambda x, f=_fn: f(x, 0, reverse=True), f32(*UNEVEN, dom=dom))
 
+# -- attention (jsbp.nn): query [b, t, heads, d], key/value [b, s, kv_heads, d] ------------------
+def _attention_case(bwd, causal=True, bias=False, mask=False):
+    from jsbp.nn import _attention
+
+    def bind(*ops):
+        params = dict(scale=0.5, is_causal=causal, plan=None, has_bias=bias, has_mask=mask)
+        return (_attention.bwd_p if bwd else _attention.fwd_p).bind(*ops, **params)
+
+    return bind
+
+
+for _t, _n, _kv in ((8, 4, 4), (7, 4, 2)):
+    _qkv = (f32(2, _t, _n, 4), f32(2, _t, _kv, 4), f32(2, _t, _kv, 4))
+    case("jsbp_attention", _attention_case(False), *_qkv)
+    case("jsbp_attention_bwd", _attention_case(True), *_qkv, f32(2, _t, _n, 4),
+         f32(2, _n, _t), f32(2, _t, _n, 4))
+case("jsbp_attention", _attention_case(False, False, True, True), f32(2, 7, 4, 4),
+     f32(2, 7, 4, 4), f32(2, 7, 4, 4), f32(1, 4, 7, 7), boolean(2, 1, 1, 7))
+case("jsbp_attention_bwd", _attention_case(True, False, True, True), f32(2, 7, 4, 4),
+     f32(2, 7, 4, 4), f32(2, 7, 4, 4), f32(1, 4, 7, 7), boolean(2, 1, 1, 7), f32(2, 7, 4, 4),
+     f32(2, 4, 7), f32(2, 7, 4, 4))
+
 # -- contractions -------------------------------------------------------------------------------
 _MM = (((1,), (0,)), ((), ()))
 case("dot_general", lambda a, b: lax.dot_general(a, b, _MM), f32(8, 4), f32(4, 6))

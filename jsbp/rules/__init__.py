@@ -11,6 +11,7 @@ from . import reduce as reduce
 from . import shape as shape
 from . import window as window
 from ._registry import AxisSignature as AxisSignature
+from ._registry import LocalCost as LocalCost
 from ._registry import Rule as Rule
 from ._registry import RuleContext as RuleContext
 from ._registry import get_rule as get_rule

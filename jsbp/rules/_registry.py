@@ -32,6 +32,7 @@ class RuleContext:
     out_avals: tuple
     hierarchy: tuple[int, ...]
     in_layouts: tuple = ()  # current layouts of the inputs (jsbp._layout.Layout), for nd rules
+    axis_names: tuple[str, ...] = ()  # the placement's axis names (given to ``cost``)
 
     @property
     def in_shapes(self):
@@ -40,6 +41,21 @@ class RuleContext:
     @property
     def out_shapes(self):
         return tuple(tuple(a.shape) for a in self.out_avals)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalCost:
+    """What one signature's local implementation costs each device, for a rule whose ``local``
+    is not one op on local shards: a fused op's FLOPs, and the collectives the implementation
+    runs itself (a ring of collective-permutes). The planner, ``explain`` and the cost model
+    read it instead of the default estimate (the primitive's elements at memory bandwidth)."""
+
+    flops: float = 0.0  # matmul-class FLOPs of the local shards
+    # (collective kind, bytes one device sends) per collective the implementation launches
+    collectives: tuple[tuple[str, float], ...] = ()
+    # the collectives' transfers run while the FLOPs compute: the time is the larger of the two
+    overlapped: bool = False
+    note: str = ""  # how the signature runs, for ``explain`` ("ring over 'x'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,18 +68,38 @@ class Rule:
     local: Callable | None = None
     nd: bool = False  # signatures() returns nd signatures (one sbp tuple per operand) directly
     fallback: bool = False  # no rule was registered: the primitive runs replicated
+    # cost(ctx, in_nd, out_nd) -> LocalCost of one nd signature (None: the default estimate)
+    cost: Callable | None = None
+
+    def local_cost(self, eqn, placement, in_nd, out_nd) -> LocalCost | None:
+        """``cost`` of ``eqn`` run on the nd signature ``in_nd -> out_nd`` (None without one)."""
+        if self.cost is None:
+            return None
+        ctx = RuleContext(
+            eqn.primitive,
+            dict(eqn.params),
+            tuple(v.aval for v in eqn.invars),
+            tuple(v.aval for v in eqn.outvars),
+            placement.hierarchy,
+            axis_names=tuple(placement.axis_names),
+        )
+        return self.cost(ctx, tuple(in_nd), tuple(out_nd))
 
 
 _RULES: dict[str, Rule] = {}
 
 
-def register_sbp_rule(*primitives: str, local: Callable | None = None, nd: bool = False):
+def register_sbp_rule(
+    *primitives: str, local: Callable | None = None, nd: bool = False, cost: Callable | None = None
+):
     """Register the SBP rule of one or more JAX primitives (by ``primitive.name``).
 
     The decorated function takes a ``RuleContext`` and yields the legal signatures for one
     placement axis as ``(input sbps, output sbps)``. ``local``, if given, runs the primitive on
     local shards (default: ``primitive.bind(*locals, **params)``) — needed when parameters carry
-    shapes or padding must be masked.
+    shapes or padding must be masked. ``cost(ctx, in_nd, out_nd)``, if given, returns the
+    ``LocalCost`` of one nd signature (one sbp tuple per operand and result): needed when
+    ``local`` runs more than one op on local shards, or communicates.
 
     Example — an elementwise unary op that keeps every layout::
 
@@ -99,10 +135,12 @@ def register_sbp_rule(*primitives: str, local: Callable | None = None, nd: bool 
         raise SbpError(
             "register_sbp_rule: name at least one JAX primitive, e.g. @jsbp.register_sbp_rule('add')."
         )
-    if local is not None and not callable(local):
-        raise SbpError(
-            f"register_sbp_rule({', '.join(map(repr, names))}): local= must be callable, got {local!r}."
-        )
+    for what, f in (("local", local), ("cost", cost)):
+        if f is not None and not callable(f):
+            raise SbpError(
+                f"register_sbp_rule({', '.join(map(repr, names))}): {what}= must be callable, "
+                f"got {f!r}."
+            )
 
     def deco(fn):
         if not callable(fn):
@@ -112,7 +150,7 @@ def register_sbp_rule(*primitives: str, local: Callable | None = None, nd: bool 
             )
         checked = _checked(fn, names[0], nd)
         for p in names:
-            _RULES[p] = Rule(p, checked, local, nd)
+            _RULES[p] = Rule(p, checked, local, nd, cost=cost)
         return fn
 
     return deco
