@@ -55,7 +55,6 @@ Semantics worth knowing:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -315,3 +314,322 @@ def attention_bwd(
     )
     dv = dv + _bwd_uniform(dout5, lse5, qok, kok, k_total)
     return dq5.reshape(B, T, N, H).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _vjp_rule(fwd_fn, bwd_fn, n_static_arrays):
+    """A ``custom_vjp`` returning ``out`` of ``fwd_fn(q, k, v, bias, mask, *extra)``; only
+    ``q``, ``k``, ``v`` get cotangents (``bias``, ``mask`` and the ``extra`` arrays get none)."""
+
+    @jax.custom_vjp
+    def f(q, k, v, bias, mask, *extra):
+        return fwd_fn(q, k, v, bias, mask, *extra)[0]
+
+    def f_fwd(q, k, v, bias, mask, *extra):
+        out, lse = fwd_fn(q, k, v, bias, mask, *extra)
+        return out, (q, k, v, bias, mask, extra, out, lse)
+
+    def f_bwd(res, dout):
+        q, k, v, bias, mask, extra, out, lse = res
+        dq, dk, dv = bwd_fn(q, k, v, bias, mask, out, lse, dout, *extra)
+        return (dq, dk, dv, None, None) + (None,) * n_static_arrays
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def attention_vjp(
+    q,
+    k,
+    v,
+    bias=None,
+    mask=None,
+    *,
+    scale=None,
+    is_causal=False,
+    q_start=0,
+    k_start=0,
+    q_valid=None,
+    k_valid=None,
+):
+    """:func:`attention`'s ``out``, differentiable in ``q``, ``k``, ``v`` via
+    :func:`attention_bwd` (``bias`` / ``mask`` get no gradient)."""
+    T, S = q.shape[1], k.shape[1]
+    extra = (
+        jnp.asarray(q_start, jnp.int32),
+        jnp.asarray(k_start, jnp.int32),
+        jnp.asarray(T if q_valid is None else q_valid, jnp.int32),
+        jnp.asarray(S if k_valid is None else k_valid, jnp.int32),
+    )
+
+    def kw(qs, ks, qv, kv):
+        return dict(
+            scale=scale, is_causal=is_causal, q_start=qs, k_start=ks, q_valid=qv, k_valid=kv
+        )
+
+    def fwd(q, k, v, bias, mask, *e):
+        return attention(q, k, v, bias, mask, **kw(*e))
+
+    def bwd(q, k, v, bias, mask, out, lse, dout, *e):
+        return attention_bwd(q, k, v, bias, mask, out, lse, dout, **kw(*e))
+
+    return _vjp_rule(fwd, bwd, len(extra))(q, k, v, bias, mask, *extra)
+
+
+# --------------------------------------------------------------------------------------------
+# ring over one mesh axis
+# --------------------------------------------------------------------------------------------
+
+
+def _send(xs, axis_name, perm):
+    """``lax.ppermute`` of a list of arrays, packed so that each dtype makes one
+    collective-permute."""
+    xs = list(xs)
+    out = [None] * len(xs)
+    groups = {}
+    for idx, x in enumerate(xs):
+        groups.setdefault(jnp.dtype(x.dtype), []).append(idx)
+    for idxs in groups.values():
+        flat = jnp.concatenate([xs[i].reshape(-1) for i in idxs])
+        flat = lax.ppermute(flat, axis_name, perm)
+        off = 0
+        for i in idxs:
+            size = xs[i].size
+            out[i] = flat[off : off + size].reshape(xs[i].shape)
+            off += size
+    return out
+
+
+def _layout(n, L, starts, sizes, zig):
+    """Static ``[n, L]`` tables of the block each device holds: logical position of each row,
+    whether it is valid, and its index in the padded physical sequence (device-major,
+    ``d * L + row``)."""
+    pos = np.zeros((n, L), np.int32)
+    ok = np.zeros((n, L), bool)
+    src = np.zeros((n, L), np.int32)
+    if not zig:
+        for j in range(n):
+            pos[j] = starts[j] + np.arange(L)
+            ok[j] = np.arange(L) < sizes[j]
+            src[j] = j * L + np.arange(L)
+    else:
+        h = L // 2
+        for j in range(n):
+            for slot, c in enumerate((j, 2 * n - 1 - j)):
+                d, half = divmod(c, 2)
+                rows = slice(slot * h, (slot + 1) * h)
+                pos[j, rows] = starts[d] + half * h + np.arange(h)
+                ok[j, rows] = np.arange(h) < sizes[d] - half * h
+                src[j, rows] = d * L + half * h + np.arange(h)
+    return pos, ok, src
+
+
+def _zig_perms(n):
+    """Pairs for the two half-block exchanges into the zig-zag order: half 0 (chunk ``2d``) and
+    half 1 (chunk ``2d+1``) of device ``d`` go to the device that holds that chunk."""
+
+    def home(c):
+        return c if c < n else 2 * n - 1 - c
+
+    return [(d, home(2 * d)) for d in range(n)], [(d, home(2 * d + 1)) for d in range(n)]
+
+
+def _to_zig(xs_axes, axis_name, n):
+    """Rearrange ``[(array, seq_axis), ...]`` from contiguous blocks to zig-zag blocks."""
+    if not xs_axes:
+        return []
+    p0, p1 = _zig_perms(n)
+    halves = [jnp.split(x, 2, axis=a) for x, a in xs_axes]
+    r0 = _send([h[0] for h in halves], axis_name, p0)  # chunks with even index
+    r1 = _send([h[1] for h in halves], axis_name, p1)  # chunks with odd index
+    even = lax.axis_index(axis_name) % 2 == 0
+    res = []
+    for (_, a), e, o in zip(xs_axes, r0, r1):
+        # slot A holds chunk i: the even-index chunk when i is even
+        res.append(jnp.where(even, jnp.concatenate([e, o], a), jnp.concatenate([o, e], a)))
+    return res
+
+
+def _from_zig(xs_axes, axis_name, n):
+    """Inverse of :func:`_to_zig`."""
+    if not xs_axes:
+        return []
+    p0, p1 = _zig_perms(n)
+    inv0, inv1 = [(b, a) for a, b in p0], [(b, a) for a, b in p1]
+    even = lax.axis_index(axis_name) % 2 == 0
+    ev, od = [], []
+    for x, a in xs_axes:
+        sa, sb = jnp.split(x, 2, axis=a)
+        ev.append(jnp.where(even, sa, sb))
+        od.append(jnp.where(even, sb, sa))
+    r0 = _send(ev, axis_name, inv0)
+    r1 = _send(od, axis_name, inv1)
+    return [jnp.concatenate([e, o], a) for (_, a), e, o in zip(xs_axes, r0, r1)]
+
+
+def _key_phys(x, S, n, L, src, pos):
+    """Bias/mask key columns (dim 3) re-indexed into the layout's slot order (``n * L``)."""
+    if x is None or x.shape[3] == 1:
+        return x
+    if x.shape[3] == n * L:
+        idx = src.reshape(-1)
+    elif x.shape[3] == S:
+        idx = np.clip(pos, 0, max(S - 1, 0)).reshape(-1)
+    else:
+        raise ValueError(f"bias/mask key dim {x.shape[3]} is neither 1, S={S} nor n*L={n * L}")
+    return jnp.take(x, jnp.asarray(idx, jnp.int32), axis=3)
+
+
+def _cols(x5, j, L):
+    """Key columns of source block ``j`` (or ``x5`` itself if its key dim broadcasts)."""
+    if x5 is None or x5.shape[-1] == 1:
+        return x5
+    return lax.dynamic_slice_in_dim(x5, j * L, L, axis=4)
+
+
+def _sub(x5, rows=None, keys=None):
+    """Slice a ``[b, K|1, G|1, t, s]`` bias/mask by query rows and key columns (broadcast dims
+    stay)."""
+    if x5 is None:
+        return None
+    if rows is not None and x5.shape[3] > 1:
+        x5 = x5[:, :, :, rows]
+    if keys is not None and x5.shape[4] > 1:
+        x5 = x5[..., keys]
+    return x5
+
+
+class _Ring:
+    """Static set-up shared by the ring forward and backward."""
+
+    def __init__(
+        self, q, k, v, bias, mask, axis_name, axis_size, starts, sizes, is_causal, balance
+    ):
+        B, L, N, H, K, G = _check(q, k, v)
+        n = int(axis_size)
+        starts, sizes = tuple(int(s) for s in starts), tuple(int(s) for s in sizes)
+        if len(starts) != n or len(sizes) != n:
+            raise ValueError(f"starts/sizes must have {n} entries, got {starts} / {sizes}")
+        if L < max(sizes) or k.shape[1] != L:
+            raise ValueError(f"local blocks of length {L} / {k.shape[1]} for sizes {sizes}")
+        self.B, self.L, self.N, self.H, self.K, self.G, self.n = B, L, N, H, K, G, n
+        self.S = sum(sizes)
+        self.axis_name = axis_name
+        self.causal = bool(is_causal)
+        self.zig = bool(balance) and self.causal and L % 2 == 0 and n > 1
+        pos, ok, src = _layout(n, L, starts, sizes, self.zig)
+        self.pos_t, self.ok_t = jnp.asarray(pos), jnp.asarray(ok)
+        self.i = lax.axis_index(axis_name)
+        self.bias = _key_phys(bias, self.S, n, L, src, pos)
+        self.mask = _key_phys(mask, self.S, n, L, src, pos)
+        self.next = [(d, (d + 1) % n) for d in range(n)]
+
+    def rows(self, j):
+        return self.pos_t[j], self.ok_t[j]
+
+
+def _ring_inputs(r, arrays):
+    """The arrays of ``[(array or None, seq_axis), ...]``, moved to the zig-zag order when the
+    ring runs balanced (bias/mask rows only when not broadcast)."""
+    res = [x for x, _ in arrays]
+    if not r.zig:
+        return res
+    sel = [idx for idx, (x, a) in enumerate(arrays) if x is not None and x.shape[a] == r.L]
+    moved = _to_zig([arrays[idx] for idx in sel], r.axis_name, r.n)
+    for idx, y in zip(sel, moved):
+        res[idx] = y
+    return res
+
+
+def ring_attention(
+    q,
+    k,
+    v,
+    bias=None,
+    mask=None,
+    *,
+    axis_name,
+    axis_size,
+    starts,
+    sizes,
+    scale=None,
+    is_causal=False,
+    balance=False,
+):
+    """Ring attention on local sequence blocks inside a manual ``shard_map``: ``(out, lse)``.
+
+    ``out`` ``[B, L, N, H]`` and ``lse`` ``[B, N, L]`` (float32) are this device's block of the
+    full attention, in the same contiguous padded layout as ``q`` (padded rows: ``out = 0``,
+    ``lse = 0``). ``balance`` selects the zig-zag schedule for causal attention when ``L`` is
+    even (ignored otherwise).
+    """
+    r = _Ring(q, k, v, bias, mask, axis_name, axis_size, starts, sizes, is_causal, balance)
+    B, L, K, G, H, n, i = r.B, r.L, r.K, r.G, r.H, r.n, r.i
+    scale = _default_scale(scale, H)
+    q, k, v, bias, mask = _ring_inputs(r, [(q, 1), (k, 1), (v, 1), (r.bias, 2), (r.mask, 2)])
+    q5 = q.reshape(B, L, K, G, H)
+    bias5, mask5 = _to5(bias, K, G), _to5(mask, K, G)
+    qpos, qok = r.rows(i)
+    h = L // 2
+
+    def full(state, k, v, j, rows=None, keys=None):
+        kpos, kok = r.rows(j)
+        b5, m5 = _cols(bias5, j, L), _cols(mask5, j, L)
+        if rows is None and keys is None:
+            return _fwd_update(state, q5, k, v, b5, m5, scale, r.causal, qpos, qok, kpos, kok)
+        rs = rows if rows is not None else slice(None)
+        ks = keys if keys is not None else slice(None)
+        m, l, acc, vsum, cnt = state
+        sub = (m[..., rs], l[..., rs], acc[:, rs], vsum, cnt)
+        sub = _fwd_update(
+            sub,
+            q5[:, rs],
+            k[:, ks],
+            v[:, ks],
+            _sub(b5, rs, ks),
+            _sub(m5, rs, ks),
+            scale,
+            r.causal,
+            qpos[rs],
+            qok[rs],
+            kpos[ks],
+            kok[ks],
+        )
+        sm, sl, sacc, vsum, cnt = sub
+        # the key columns not visited (ks) are masked for every row: only the fallback sees them
+        if keys is not None:
+            rest = slice(keys.stop, None)
+            vs, c = _vsum(v[:, rest], kok[rest])
+            vsum, cnt = vsum + vs, cnt + c
+        m, l, acc = m.at[..., rs].set(sm), l.at[..., rs].set(sl), acc.at[:, rs].set(sacc)
+        return m, l, acc, vsum, cnt
+
+    def step(state, k, v, j):
+        if not r.causal:
+            return full(state, k, v, j)
+        if r.zig:
+            # j < i: the source's second chunk is in every local row's future;
+            # j > i: the local first chunk precedes both source chunks.
+            return lax.cond(
+                j < i,
+                lambda s: full(s, k, v, j, keys=slice(0, h)),
+                lambda s: full(s, k, v, j, rows=slice(h, L)),
+                state,
+            )
+        return lax.cond(
+            j < i, lambda s: full(s, k, v, j), lambda s: _fwd_skip(s, v, r.ok_t[j]), state
+        )
+
+    state = full(_fwd_state(B, L, K, G, H), k, v, i)
+
+    def body(t, carry):
+        state, k, v = carry
+        k, v = _send([k, v], axis_name, r.next)
+        j = (i - t) % n
+        return step(state, k, v, j), k, v
+
+    if n > 1:
+        state, _, _ = lax.fori_loop(1, n, body, (state, k, v))
+    out, lse = _fwd_finish(state, qok, q.dtype)
+    if r.zig:
+        out, lse = _from_zig([(out, 1), (lse, 2)], axis_name, n)
+    return out, lse
