@@ -633,3 +633,138 @@ def ring_attention(
     if r.zig:
         out, lse = _from_zig([(out, 1), (lse, 2)], axis_name, n)
     return out, lse
+
+
+def ring_attention_bwd(
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    out,
+    lse,
+    dout,
+    *,
+    axis_name,
+    axis_size,
+    starts,
+    sizes,
+    scale=None,
+    is_causal=False,
+    balance=False,
+):
+    """Gradients ``(dq, dk, dv)`` of :func:`ring_attention` (local blocks, same layout).
+
+    K/V travel round the ring together with their dk/dv accumulators (one collective-permute
+    per step per dtype); after the last step one more hop brings each accumulator home.
+    ``bias`` is not differentiated.
+    """
+    r = _Ring(q, k, v, bias, mask, axis_name, axis_size, starts, sizes, is_causal, balance)
+    B, L, N, K, G, H, n, i = r.B, r.L, r.N, r.K, r.G, r.H, r.n, r.i
+    scale = _default_scale(scale, H)
+    q, k, v, bias, mask, out, lse, dout = _ring_inputs(
+        r,
+        [(q, 1), (k, 1), (v, 1), (r.bias, 2), (r.mask, 2), (out, 1), (lse, 2), (dout, 1)],
+    )
+    q5 = q.reshape(B, L, K, G, H)
+    bias5, mask5 = _to5(bias, K, G), _to5(mask, K, G)
+    dout5, D, lse5 = _bwd_prep(out, lse, dout, K, G)
+    qpos, qok = r.rows(i)
+    h = L // 2
+    # zeros_like keeps the inputs' varying-over-axis type (cond branches must agree)
+    zq = jnp.zeros_like(q5, dtype=_F32)
+    zk = jnp.zeros_like(k, dtype=_F32)
+
+    def contrib(k, v, j, rows=None, keys=None):
+        """This device's ``(dq5, dk, dv)`` contributions for source block ``j`` (f32)."""
+        kpos, kok = r.rows(j)
+        b5, m5 = _cols(bias5, j, L), _cols(mask5, j, L)
+        rs = rows if rows is not None else slice(None)
+        ks = keys if keys is not None else slice(None)
+        dq, dk, dv = _bwd_block(
+            q5[:, rs],
+            k[:, ks],
+            v[:, ks],
+            _sub(b5, rs, ks),
+            _sub(m5, rs, ks),
+            dout5[:, rs],
+            D[..., rs],
+            lse5[..., rs],
+            scale,
+            r.causal,
+            qpos[rs],
+            qok[rs],
+            kpos[ks],
+            kok[ks],
+        )
+        if rows is not None:
+            dq = zq.at[:, rs].set(dq)
+        if keys is not None:
+            dk, dv = zk.at[:, ks].set(dk), zk.at[:, ks].set(dv)
+        return dq, dk, dv + _bwd_uniform(dout5, lse5, qok, kok, r.S)
+
+    def skip(v, j):
+        return zq, zk, _bwd_uniform(dout5, lse5, qok, r.ok_t[j], r.S)
+
+    def step(k, v, j):
+        if not r.causal:
+            return contrib(k, v, j)
+        if r.zig:
+            return lax.cond(
+                j < i,
+                lambda: contrib(k, v, j, keys=slice(0, h)),
+                lambda: contrib(k, v, j, rows=slice(h, L)),
+            )
+        return lax.cond(j < i, lambda: contrib(k, v, j), lambda: skip(v, j))
+
+    dq, dk, dv = contrib(k, v, i)
+
+    def body(t, carry):
+        dq, k, v, dk, dv = carry
+        k, v, dk, dv = _send([k, v, dk, dv], axis_name, r.next)
+        a, b, c = step(k, v, (i - t) % n)
+        return dq + a, k, v, dk + b, dv + c
+
+    if n > 1:
+        dq, _, _, dk, dv = lax.fori_loop(1, n, body, (dq, k, v, dk, dv))
+        dk, dv = _send([dk, dv], axis_name, r.next)
+    dq = dq.reshape(B, L, N, H)
+    if r.zig:
+        dq, dk, dv = _from_zig([(dq, 1), (dk, 1), (dv, 1)], axis_name, n)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def ring_attention_vjp(
+    q,
+    k,
+    v,
+    bias=None,
+    mask=None,
+    *,
+    axis_name,
+    axis_size,
+    starts,
+    sizes,
+    scale=None,
+    is_causal=False,
+    balance=False,
+):
+    """:func:`ring_attention`'s ``out``, differentiable in ``q``, ``k``, ``v`` via
+    :func:`ring_attention_bwd` (``bias`` / ``mask`` get no gradient)."""
+    kw = dict(
+        axis_name=axis_name,
+        axis_size=axis_size,
+        starts=starts,
+        sizes=sizes,
+        scale=scale,
+        is_causal=is_causal,
+        balance=balance,
+    )
+
+    def fwd(q, k, v, bias, mask):
+        return ring_attention(q, k, v, bias, mask, **kw)
+
+    def bwd(q, k, v, bias, mask, out, lse, dout):
+        return ring_attention_bwd(q, k, v, bias, mask, out, lse, dout, **kw)
+
+    return _vjp_rule(fwd, bwd, 0)(q, k, v, bias, mask)
