@@ -23,9 +23,12 @@ What exists:
   arrays of one dtype are packed together); the forward merges blocks by online softmax, the
   backward sends the dk/dv accumulators round with K/V and one final hop brings them home. No
   other collective is used. With ``is_causal`` the blocks above the diagonal are skipped
-  (``lax.cond``); ``balance=True`` (used when ``L`` is even, otherwise ignored) first rearranges
-  the blocks into the zig-zag order -- device ``i`` holds half-chunks ``i`` and ``2n-1-i`` --
-  so that every device does the same causal work, and sends the results back afterwards.
+  (``lax.cond``); ``balance=True`` (used for causal attention when ``L`` is even, otherwise
+  ignored) first rearranges the blocks into the zig-zag order -- device ``i`` holds half-chunks
+  ``i`` and ``2n-1-i``, two collective-permutes of half-blocks -- so that every device does one
+  diagonal block and ``n-1`` half blocks, and sends the results back the same way. Only K/V
+  (and dk/dv) move: each device derives the source block's positions and validity from its
+  ``lax.axis_index`` and the step number (static tables built from ``starts`` / ``sizes``).
   ``bias`` / ``mask`` come split along the query dim (dim 2, local length ``L``, or size 1) with
   the key dim (dim 3) either the full logical length ``S = sum(sizes)``, the padded length
   ``n * L``, or 1.
@@ -43,8 +46,9 @@ Semantics worth knowing:
   that fill value ``_FILL`` (``_FILL + log(count)`` rounds to it in float32); the backwards
   recognise such rows by ``lse == _FILL`` and give every valid key ``1 / k_total`` of their
   ``dout`` in ``dv`` (no ``dq`` / ``dk``, as in JAX, where masked logits are constants).
-  Combining two blocks by ``lse`` in which one row is fully masked in both is exact only when
-  the blocks hold the same number of valid keys.
+  Merge blocks by ``lse`` with normalised weights ``w_b = exp(lse_b - max lse) / sum(...)``;
+  a row fully masked in every block then comes out exact when the blocks hold equally many
+  valid keys (otherwise it is the mean of the blocks' means).
 * A valid query row with no valid key at all (only possible in :func:`attention` with
   ``k_valid == 0``) gets ``out = 0`` and ``lse = -inf``. Padded query rows get ``out = 0`` and
   ``lse = 0``; they contribute nothing to ``dk`` / ``dv`` and get ``dq = 0``. Padded key rows
