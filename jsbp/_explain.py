@@ -164,7 +164,7 @@ def plan_of_program(prog, placement) -> Plan:
                 tuple(_sbp.nd_str(l.nd_sbp) for l in st.out_layouts),
                 tuple(_boxing_row(b) for b in st.boxings),
                 lc.note if lc is not None else note,
-                tuple(k for k, _ in lc.collectives) if lc is not None else (),
+                tuple(k for k, _, _ in lc.collectives) if lc is not None else (),
             )
         )
         for s in subprograms(st):

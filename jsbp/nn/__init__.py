@@ -29,8 +29,8 @@ def dot_product_attention(
     key positions at or before the query's. A query row with every key masked averages the values
     uniformly, as JAX does.
 
-    ``plan`` (None: the cost model chooses) forces one way to run on every placement axis that
-    does not split the batch: ``"gather"`` (queries split along the sequence, key and value
+    ``plan`` (None: the cost model chooses) forces one way to run, on one placement axis (the
+    others replicate or split the batch): ``"gather"`` (queries split along the sequence, key and value
     all-gathered), ``"ring"`` (query, key and value split along the sequence, key/value blocks
     passed round with collective-permutes; T == S only, else the cost model chooses) or
     ``"heads"`` (the heads split: all-to-all from a sequence split, Ulysses). ``jsbp.explain``

@@ -182,8 +182,8 @@ def _axis_ways(ctx, bwd: bool):
     ways = ["B", "batch", "heads", "gather", "ring"]
     if q_shape[1] != k_shape[1]:  # cross-attention lengths: no ring
         ways.remove("ring")
-    if plan in ways:  # forced: that way on every axis that does not split the batch
-        ways = ["batch", plan]
+    if plan in ways:  # forced: that way on one axis at least (``_signatures``), B or batch else
+        ways = ["B", "batch", plan]
     qkv = {
         "B": (B, B, B),
         "batch": (S.split(0),) * 3,
@@ -209,16 +209,20 @@ def _signatures(bwd):
     def rule(ctx):
         q_shape, k_shape = ctx.in_shapes[0], ctx.in_shapes[1]
         per_axis = _axis_ways(ctx, bwd)
-        for combo in itertools.product(list(per_axis), repeat=len(ctx.hierarchy)):
+
+        def legal(combo):
             if sum(w in ("gather", "ring") for w in combo) > 1:
-                continue  # the sequence is split on one axis at most
+                return False  # the sequence is split on one axis at most
             heads = math.prod(n for w, n in zip(combo, ctx.hierarchy) if w == "heads")
-            if (
-                heads > 1
-                and q_shape[2] != k_shape[2]
-                and (q_shape[2] % heads or k_shape[2] % heads)
-            ):
-                continue  # grouped queries: each device's query heads need its own key heads
+            # grouped queries: each device's query heads need their own key/value heads
+            grouped = q_shape[2] != k_shape[2]
+            return heads == 1 or not grouped or not (q_shape[2] % heads or k_shape[2] % heads)
+
+        combos = [
+            c for c in itertools.product(list(per_axis), repeat=len(ctx.hierarchy)) if legal(c)
+        ]
+        forced = [c for c in combos if ctx.params["plan"] in c]
+        for combo in forced or combos:  # a forced plan runs where it can
             sigs = [per_axis[w] for w in combo]
             n_in, n_out = len(sigs[0][0]), len(sigs[0][1])
             yield (
@@ -246,17 +250,58 @@ def _local_shape(shape, nd, hierarchy):
     return [-(-n // w) for n, w in zip(shape, ways)]
 
 
-def _ring_sends(n, bwd):
-    """[(collective-permutes, key/value blocks each moves)] of the ring kernels on ``n`` devices:
-    the forward passes key and value on (n - 1 hops); the backward passes them with their
-    gradient accumulators, which take one more hop home."""
-    return [(n - 1, 4), (1, 2)] if bwd else [(n - 1, 2)]
+@functools.lru_cache(maxsize=256)
+def _ring_collectives(bwd, local_avals, n, starts, sizes, params):
+    """((bytes one device sends, times it runs), ...) of each collective-permute of the ring
+    kernel on local shards of ``local_avals`` (read off its trace: a permute in the ring's loop
+    runs once per hop)."""
+    p = dict(params)
+    kernel = _kernels.ring_attention_bwd if bwd else _kernels.ring_attention
+    fn = functools.partial(
+        _ring_call,
+        kernel,
+        p["has_bias"],
+        p["has_mask"],
+        axis_name="ring",
+        axis_size=n,
+        starts=starts,
+        sizes=sizes,
+        scale=p["scale"],
+        is_causal=p["is_causal"],
+    )
+    structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in local_avals]
+    jaxpr = jax.make_jaxpr(fn, axis_env=[("ring", n)])(*structs).jaxpr
+    out = []
+
+    def walk(jx, times):
+        for e in jx.eqns:
+            if e.primitive.name == "ppermute":
+                out.append((sum(v.aval.size * v.aval.dtype.itemsize for v in e.invars), times))
+            inner = times * (e.params["length"] if e.primitive.name == "scan" else 1)
+            for sub in _subjaxprs(e):
+                walk(sub, inner)
+
+    walk(jaxpr, 1)
+    return tuple(out)
+
+
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(x, jcore.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jcore.Jaxpr):
+                yield x
+
+
+def _ring_call(kernel, has_bias, has_mask, *args, **kw):
+    q, k, v, bias, mask, rest = _unpack(args, has_bias, has_mask)
+    return kernel(q, k, v, bias, mask, *rest, balance=kw["is_causal"], **kw)
 
 
 def _cost(bwd):
     def cost(ctx, in_nd, out_nd):
         qb, qt, qn, h = _local_shape(ctx.in_shapes[0], in_nd[0], ctx.hierarchy)
-        kb, kt, kn, _ = _local_shape(ctx.in_shapes[1], in_nd[1], ctx.hierarchy)
         s_full = ctx.in_shapes[1][1]
         # QK^T and PV: 2 matmuls of 2 FLOPs per multiply-add; the backward recomputes P and
         # runs 4 more (dV, dP, dQ, dK)
@@ -268,22 +313,32 @@ def _cost(bwd):
         name = ctx.axis_names[a] if ctx.axis_names else str(a)
         if not ring:
             return LocalCost(flops, note=f"queries split over {name!r}, key/value whole")
-        item = np.dtype(ctx.in_avals[1].dtype).itemsize
-        block = kb * kt * kn * h * item  # one device's key (or value) block
         n = ctx.hierarchy[a]
-        sends = _ring_sends(n, bwd)
-        colls = tuple(
-            ("collective-permute", blocks * block) for count, blocks in sends for _ in range(count)
+        sizes = tuple(balanced(ctx.in_shapes[0][1], n))
+        local = tuple(
+            (tuple(_local_shape(x.shape, nd, ctx.hierarchy)), np.dtype(x.dtype))
+            for x, nd in zip(ctx.in_avals, in_nd)
         )
+        params = tuple(sorted(ctx.params.items()))
+        sends = _ring_collectives(bwd, local, n, tuple(offsets(sizes)), sizes, params)
+        colls = tuple(("collective-permute", b, times) for b, times in sends)
         return LocalCost(flops, colls, overlapped=True, note=f"ring over {name!r}")
 
     return cost
 
 
+def _zero_padding(x, s, valid):
+    """``x`` with the rows of its dim split by ``s`` past ``valid`` zeroed (as is, if ``s`` does
+    not split)."""
+    if not s.is_split or x.shape[s.dim] <= 1:
+        return x
+    keep = lax.broadcasted_iota(jnp.int32, x.shape, s.dim) < valid
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+
 def _local(bwd):
     def local(step, ins):
         p = step.eqn.params
-        q, k, v, bias, mask, rest = _unpack(ins, p["has_bias"], p["has_mask"])
         kw = dict(scale=p["scale"], is_causal=p["is_causal"])
         a, ring = _seq_axis([lay.nd_sbp for lay in step.in_layouts])
         plc = step.in_layouts[0].placement
@@ -292,17 +347,20 @@ def _local(bwd):
             sizes = balanced(t, plc.hierarchy[a])
             starts = offsets(sizes)
             name = plc.axis_names[a]
-            if ring:
-                kw.update(
-                    axis_name=name,
-                    axis_size=plc.hierarchy[a],
-                    starts=tuple(starts),
-                    sizes=tuple(sizes),
-                )
-                f = _kernels.ring_attention_bwd if bwd else _kernels.ring_attention
-                return list(f(q, k, v, bias, mask, *rest, **kw))
             i = lax.axis_index(name)
+            # the padding at the end of an uneven block holds anything (NaN included): zeroed
+            ins = [
+                _zero_padding(x, lay.nd_sbp[a], jnp.asarray(sizes)[i])
+                for x, lay in zip(ins, step.in_layouts)
+            ]
+            if ring:
+                kw.update(axis_name=name, axis_size=plc.hierarchy[a], starts=tuple(starts))
+                kernel = _kernels.ring_attention_bwd if bwd else _kernels.ring_attention
+                return list(
+                    _ring_call(kernel, p["has_bias"], p["has_mask"], *ins, sizes=tuple(sizes), **kw)
+                )
             kw.update(q_start=jnp.asarray(starts)[i], q_valid=jnp.asarray(sizes)[i])
+        q, k, v, bias, mask, rest = _unpack(ins, p["has_bias"], p["has_mask"])
         f = _kernels.attention_bwd if bwd else _kernels.attention
         return list(f(q, k, v, bias, mask, *rest, **kw))
 

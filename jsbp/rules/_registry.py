@@ -51,8 +51,9 @@ class LocalCost:
     read it instead of the default estimate (the primitive's elements at memory bandwidth)."""
 
     flops: float = 0.0  # matmul-class FLOPs of the local shards
-    # (collective kind, bytes one device sends) per collective the implementation launches
-    collectives: tuple[tuple[str, float], ...] = ()
+    # (collective kind, bytes one device sends each time, times it runs) per collective of the
+    # compiled implementation (one in a loop of n - 1 trips: one entry, n - 1 times)
+    collectives: tuple[tuple[str, float, int], ...] = ()
     # the collectives' transfers run while the FLOPs compute: the time is the larger of the two
     overlapped: bool = False
     note: str = ""  # how the signature runs, for ``explain`` ("ring over 'x'")
