@@ -22,6 +22,10 @@ The model is written once. Every parallelism is a ``jsbp.flax.Strategy`` — lay
 * ``--parallel cp=N`` splits the sequence (``"seq"``) over ``cp``: attention runs as one
   ``jsbp.nn.dot_product_attention``, which the planner runs with key/value all-gathered, as a
   ring of collective-permutes or with the heads split by all-to-all (Ulysses), by cost;
+* ``--sequence-parallel`` (with ``tp``) splits the residual stream along the sequence over
+  ``tp`` as well (Megatron-SP): the row-parallel outputs are reduce-scattered and all-gathered
+  before the next column-parallel input, the same bytes as the all-reduce, with the norms,
+  dropout-free residual adds and their activations on 1/tp of the tokens;
 * ``--zero`` splits optimizer state (1), gradients (2) and parameters (3) over ``dp``;
   ``--accum`` sums gradients over micro-batches and updates once per batch;
 * ``--parallel auto`` lets ``jsbp.flax.Strategy.auto`` choose among all of these (every dp × tp
@@ -121,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --parallel auto: bytes per device the predicted peak must fit, e.g. 64MiB (default: no limit)",
     )
+    ap.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split the residual stream along the sequence over tp (Megatron-SP)",
+    )
     ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over dp")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     ap.add_argument("--steps", type=int, default=STEPS)
@@ -187,7 +196,9 @@ import jsbp  # noqa: E402
 import jsbp.flax as jflax  # noqa: E402
 import jsbp.nn  # noqa: E402
 
-ACT = ("batch", "seq", "embed")  # the residual stream's logical dims
+# the residual stream's logical dims: its sequence dim has a name of its own, which sequence
+# parallelism maps to the tensor-parallel axis (the logits' sequence dim stays "seq")
+ACT = ("batch", "act_seq", "embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,11 +380,17 @@ LOGICAL_AXES = {
     "mlp": "tp",
     "embed": None,
     "seq": "cp",
+    "act_seq": "cp",
 }
 
 
-def make_strategy(axes: dict[str, int], zero: int = 0) -> jflax.Strategy | None:
-    """``{"dp": 2, "tp": 4}`` -> a Strategy on a (dp, tp) placement; ``{}`` -> None (one device)."""
+def make_strategy(
+    axes: dict[str, int], zero: int = 0, sequence_parallel: bool = False
+) -> jflax.Strategy | None:
+    """``{"dp": 2, "tp": 4}`` -> a Strategy on a (dp, tp) placement; ``{}`` -> None (one device).
+    ``sequence_parallel``: the residual stream split along the sequence over ``tp`` (Megatron-SP:
+    each row-parallel output reduce-scattered, all-gathered before the next column-parallel
+    input, the norms and residual adds on 1/tp of the tokens)."""
     if "pp" in axes and axes["pp"] > 1:
         raise jsbp.SbpError(
             f"--parallel pp={axes['pp']}: pipeline parallelism is not yet supported by train_gpt.py "
@@ -391,7 +408,12 @@ def make_strategy(axes: dict[str, int], zero: int = 0) -> jflax.Strategy | None:
     names = tuple(axes)
     ranks = np.array([d.id for d in devices[:n]]).reshape(tuple(axes.values()))
     plc = jsbp.placement(devices[0].platform, ranks, axis_names=names)
-    logical = {k: v for k, v in LOGICAL_AXES.items() if v is None or v in names}
+    logical = dict(LOGICAL_AXES)
+    if sequence_parallel:
+        if "tp" not in names or "cp" in names:
+            raise jsbp.SbpError("--sequence-parallel needs a tp axis (and no cp) in --parallel.")
+        logical["act_seq"] = "tp"
+    logical = {k: v for k, v in logical.items() if v is None or v in names}
     return jflax.Strategy(plc, logical_axes=logical, zero=zero)
 
 
@@ -437,6 +459,7 @@ def train(
     parallel: dict[str, int] | str = DEFAULT_PARALLEL,
     *,
     zero: int = 0,
+    sequence_parallel: bool = False,
     accum: int = 1,
     steps: int = 10,
     seed: int = 0,
@@ -470,7 +493,7 @@ def train(
             zero=zero,
         )
     else:
-        strategy = make_strategy(parallel, zero)
+        strategy = make_strategy(parallel, zero, sequence_parallel)
     if strategy is not None:
         model, optimizer = jflax.shard((model, optimizer), strategy)
     step = jflax.make_train_step(loss_fn, strategy, accum=accum)
@@ -643,6 +666,7 @@ def main(argv=None) -> int:
         run = train(
             axes,
             zero=args.zero,
+            sequence_parallel=args.sequence_parallel,
             accum=args.accum,
             steps=args.steps,
             seed=args.seed,

@@ -566,3 +566,54 @@ def test_docs_flax_example_runs():
     assert int(ns["rngs"].dropout.count.get_value().numpy()) == 3
     assert lay["bn/mean"] == "(B, B)" and np.abs(ns["plain"].bn.mean.get_value()).max() > 0
     assert np.all(np.isfinite(np.asarray(ns["y"])))
+
+
+# ------------------------------------------------------------------------------------------------
+# sequence and context parallelism (the residual stream or the whole sequence split)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_sequence_parallel_splits_the_residual_stream_over_tp():
+    """Megatron-SP: the residual stream (batch, seq, embed) split along the sequence over tp, so
+    each row-parallel output is reduce-scattered instead of all-reduced, and the step's
+    temporaries shrink; every loss and parameter as on one device."""
+    run = tg.train("tp=4", sequence_parallel=True, steps=STEPS, cfg=CFG, batch=BATCH)
+    _assert_parity(run, _run("none"))
+    model, opt = run.sharded
+    plan = run.step_fn.explain(model, opt, _batch())
+    assert plan.collectives() == run.step_fn.count_collectives(model, opt, _batch())
+    residual = (BATCH, CFG.seq, CFG.d_model)
+    scattered = [b for b in plan.boxings() if b.shape == residual and b.dst == "(S(1))"]
+    assert any(b.collectives == ("reduce-scatter",) for b in scattered), scattered
+    assert not [
+        b for b in plan.boxings() if b.shape == residual and b.collectives == ("all-reduce",)
+    ]
+    megatron = _run("tp=4")
+    ours, theirs = (r.step_fn.memory(*r.sharded, _batch())["temporaries"] for r in (run, megatron))
+    assert ours < theirs, (ours, theirs)
+
+
+CP_CFG = dataclasses.replace(CFG, seq=64, fused_attention=True)
+
+
+@pytest.mark.parametrize("parallel", ["cp=8", "dp=2,cp=4"])
+def test_context_parallel_matches_one_device(parallel):
+    """The sequence split over cp (a batch of 4 sequences of 64 tokens): attention is one
+    ``jsbp.nn.dot_product_attention``, run by the plan the cost model chooses on the sequence
+    split; losses and parameters as on one device."""
+    run = tg.train(parallel, steps=STEPS, cfg=CP_CFG, batch=4)
+    ref = tg.train("none", steps=STEPS, cfg=CP_CFG, batch=4)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5, atol=0)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(run.model, nnx.Param)),
+        jax.tree.leaves(nnx.state(ref.model, nnx.Param)),
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    model, opt = run.sharded
+    batch = next(tg.Corpus().batches(0, 4, CP_CFG.seq))
+    plan = run.step_fn.explain(model, opt, batch)
+    assert plan.collectives() == run.step_fn.count_collectives(model, opt, batch)
+    notes = {r.note for r in plan.rows if r.primitive.startswith("jsbp_attention")}
+    seq_plans = {"ring over 'cp'", "heads split", "queries split over 'cp', key/value whole"}
+    assert len(notes) == 1 and notes <= seq_plans, notes
+    assert ref.losses[-1] < ref.losses[0] - 0.5

@@ -46,6 +46,7 @@ def test_parallel_flag_parsing():
     assert tg.parse_parallel("none") == {}
     assert tg.parse_parallel("dp=2,tp=4") == {"dp": 2, "tp": 4}
     assert tg.parse_parallel(" TP=8 ") == {"tp": 8}
+    assert tg.parse_parallel("dp=2,cp=4") == {"dp": 2, "cp": 4}
     for bad in ("dp2", "xp=2", "dp=0", "dp=2,dp=4", "dp=two"):
         with pytest.raises(SystemExit):
             tg.parse_parallel(bad)

@@ -308,8 +308,9 @@ def _cost(bwd):
         flops = (10.0 if bwd else 4.0) * qb * qn * qt * s_full * h
         a, ring = _seq_axis(in_nd)
         if a is None:
-            heads = any(s.is_split and s.dim == 2 for s in in_nd[0])
-            return LocalCost(flops, note="heads split" if heads else "")
+            split = {s.dim for s in in_nd[0] if s.is_split}
+            note = "heads split" if 2 in split else "batch split" if split else "replicated"
+            return LocalCost(flops, note=note)
         name = ctx.axis_names[a] if ctx.axis_names else str(a)
         if not ring:
             return LocalCost(flops, note=f"queries split over {name!r}, key/value whole")
