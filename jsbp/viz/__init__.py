@@ -12,6 +12,9 @@ from ._placement import placement_html as placement_html
 from ._placement import placement_text as placement_text
 from ._plan import plan_html as plan_html
 from ._plan import plan_text as plan_text
+from ._ring import ring_schedule as ring_schedule
+from ._ring import ring_schedule_html as ring_schedule_html
+from ._ring import ring_schedule_text as ring_schedule_text
 from ._tensor import tensor_html as tensor_html
 from ._tensor import tensor_text as tensor_text
 
@@ -25,4 +28,7 @@ __all__ = [
     "boxing_steps",
     "plan_html",
     "plan_text",
+    "ring_schedule",
+    "ring_schedule_html",
+    "ring_schedule_text",
 ]

@@ -23,6 +23,10 @@ field          meaning                                                          
 ``outputs``    one nd-sbp per output (``out_sbps`` is accepted)                          no
 ``depth``      nesting level of equations of nested jaxprs (indents the primitive)       no
 ``name``       a label shown under the primitive (a variable, a source line)            no
+``note``       how the op runs, shown with the primitive (``"ring over 'x'"``)          no
+``collectives``  the collectives the op's own implementation runs (names, or tuples    no
+               whose first item is the name), e.g. a ring's ``"collective-permute"``s;
+               shown in their own column, counted in the totals
 =============  ========================================================================  =========
 
 **boxing entry**: an object, a mapping, or a ``(kind, axes, bytes_per_device)`` tuple, with
@@ -89,11 +93,23 @@ class PlanRow:
     outputs: tuple[str, ...] | None
     name: str | None
     depth: int
-    note: str = ""  # e.g. "no rule: replicated"
+    note: str = ""  # e.g. "no rule: replicated", "ring over 'x'"
+    collectives: tuple[str, ...] = ()  # run by the op itself (a ring's collective-permutes)
 
     @property
     def has_collective(self) -> bool:
+        """A boxing before the equation runs a collective."""
         return any(b.kinds for b in self.boxings)
+
+    @property
+    def runs_collective(self) -> bool:
+        """A boxing or the op itself runs a collective."""
+        return self.has_collective or bool(self.collectives)
+
+    def own_words(self) -> str:
+        """The op's own collectives, grouped: ``"collective-permute ×5"``."""
+        counts = Counter(self.collectives)
+        return ", ".join(f"{k} ×{v}" if v > 1 else k for k, v in counts.items())
 
     @property
     def bytes_per_device(self) -> float:
@@ -175,6 +191,14 @@ def _entry_list(boxing) -> list:
     return [boxing]
 
 
+def _own(kinds) -> tuple[str, ...]:
+    """The op's own collectives as names (entries may be names or ``(name, ...)`` tuples)."""
+    if kinds is None or callable(kinds) or isinstance(kinds, str):
+        return (kinds,) if isinstance(kinds, str) and kinds != "local" else ()
+    names = (k[0] if isinstance(k, (tuple, list)) and k else k for k in kinds)
+    return tuple(str(k) for k in names if k not in (None, "local"))
+
+
 def _row(r) -> PlanRow:
     outs = _get(r, "outputs", None, "out_sbps")
     return PlanRow(
@@ -186,6 +210,7 @@ def _row(r) -> PlanRow:
         name=_get(r, "name", None),
         depth=int(_get(r, "depth", 0) or 0),
         note=str(_get(r, "note", "") or ""),
+        collectives=_own(_get(r, "collectives", ())),
     )
 
 
@@ -212,6 +237,7 @@ def normalise_plan(plan) -> tuple[tuple[PlanRow, ...], dict]:
                 )
             )
     kinds = Counter(k for r in rows for b in r.boxings for k in b.kinds)
+    kinds.update(k for r in rows for k in r.collectives)
     totals = {
         "bytes_per_device": sum(r.bytes_per_device for r in rows),
         "collectives": dict(kinds),
@@ -249,14 +275,20 @@ def _totals_words(rows, totals) -> str:
 
 
 def plan_text(plan) -> str:
-    """The plan as an aligned text table; rows that run a collective are marked ``*``."""
+    """The plan as an aligned text table; rows that run a collective are marked ``*``.
+
+    A row's ``note`` follows its primitive in brackets (``jsbp_attention [ring over 'x']``); when
+    some op runs collectives of its own (a ring), an ``op runs`` column lists them.
+    """
     rows, totals = normalise_plan(plan)
+    own = any(r.collectives for r in rows)
     head = ("", "#", "primitive", "inputs", "signature", "boxing", "bytes/device")
+    head += ("op runs",) if own else ()
     table = [head]
     for i, r in enumerate(rows):
         table.append(
             (
-                "*" if r.has_collective else "",
+                "*" if r.runs_collective else "",
                 str(i + 1),
                 "  " * r.depth + r.primitive + (f" [{r.note}]" if r.note else ""),
                 ", ".join(r.inputs),
@@ -264,6 +296,7 @@ def plan_text(plan) -> str:
                 "; ".join(b.words() for b in r.boxings) or "-",
                 fmt_bytes(r.bytes_per_device) if r.boxings else "-",
             )
+            + ((r.own_words() or "-",) if own else ())
         )
     widths = [max(len(row[c]) for row in table) for c in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
@@ -277,10 +310,17 @@ _DASH = '<span style="opacity:0.5">-</span>'
 
 
 def plan_html(plan) -> str:
-    """The plan as an HTML table: rows that run a collective tinted and marked, totals at the end."""
+    """The plan as an HTML table: rows that run a collective tinted and marked, totals at the end.
+
+    A row's ``note`` shows under its primitive; an op that runs collectives of its own (a ring's
+    collective-permutes) gets an ``op runs`` column and a violet tint (class
+    ``jsbp-own-collectives``); ``data-collectives`` counts both kinds.
+    """
     rows, totals = normalise_plan(plan)
+    own = any(r.collectives for r in rows)
     cell = f"padding:2px 8px;border-bottom:1px solid {RULE};text-align:left;vertical-align:top"
     heads = ("#", "primitive", "inputs", "signature", "boxing", "bytes / device")
+    heads += ("op runs",) if own else ()
     head = "".join(f'<th style="{cell}">{h}</th>' for h in heads)
     body = []
     for i, r in enumerate(rows):
@@ -291,6 +331,12 @@ def plan_html(plan) -> str:
             cls, tint = "jsbp-row jsbp-local-boxing", "background:rgba(127,127,127,0.08)"
         else:
             cls, tint = "jsbp-row", ""
+        if r.collectives:
+            cls += " jsbp-own-collectives"
+            if not r.has_collective:
+                tint = (
+                    "background:rgba(148,103,189,0.16);box-shadow:inset 3px 0 rgba(148,103,189,0.9)"
+                )
         prim = f'<span style="padding-left:{12 * r.depth}px">{esc(r.primitive)}</span>'
         if r.name:
             prim += f'<div style="opacity:0.7;font-size:10px">{esc(r.name)}</div>'
@@ -305,13 +351,17 @@ def plan_html(plan) -> str:
             f"<b>{esc(b.words())}</b>" if b.kinds else esc(b.words()) for b in r.boxings
         )
         nbytes = esc(fmt_bytes(r.bytes_per_device)) if r.boxings else _DASH
-        n_coll = sum(len(b.kinds) for b in r.boxings)
+        n_coll = sum(len(b.kinds) for b in r.boxings) + len(r.collectives)
+        runs = ""
+        if own:
+            words = f"<b>{esc(r.own_words())}</b>" if r.collectives else _DASH
+            runs = f'<td class="jsbp-op-runs" style="{cell}">{words}</td>'
         body.append(
             f'<tr class="{cls}" data-collectives="{n_coll}" style="{tint}">'
             f'<td style="{cell}">{i + 1}</td><td style="{cell}">{prim}</td>'
             f'<td style="{cell};white-space:nowrap">{esc(", ".join(r.inputs))}</td>'
             f'<td style="{cell};white-space:nowrap">{sig}</td>'
-            f'<td style="{cell}">{box or _DASH}</td><td style="{cell}">{nbytes}</td></tr>'
+            f'<td style="{cell}">{box or _DASH}</td><td style="{cell}">{nbytes}</td>{runs}</tr>'
         )
     table = (
         '<table class="jsbp-plan" style="color:inherit;border-collapse:collapse;font-size:11px;'
@@ -323,4 +373,6 @@ def plan_html(plan) -> str:
     )
     title = "plan" + (f" on {totals['placement']}" if totals["placement"] is not None else "")
     sub = "tinted rows run a collective before the equation; bytes are received per device"
+    if own:
+        sub += "; violet rows run collectives inside the op (op runs)"
     return frame("plan", title, sub, table + foot)
