@@ -540,6 +540,21 @@ case("qr", _LA.qr, f32(7, 4, 3))
 case("qr", lambda x: _LA.qr(x, full_matrices=True), f32(8, 3, 3))
 case("lu", _LA.lu, f32(7, 3, 3))
 case("lu", _LA.lu, f32(4, 4))
+# -- ragged_dot_general (lax.ragged_dot: a mixture of experts' grouped matmul) ----------------
+_RD_ROWS_T = lax.RaggedDotDimensionNumbers(((([1], [2])), ([], [])), [0], [0])  # x @ w[g].T
+_RD_CONTRACT = lax.RaggedDotDimensionNumbers(((([0], [0])), ([], [])), [0], [])  # -> [g, k, n]
+case("ragged_dot_general", lax.ragged_dot, f32(8, 4), f32(4, 4, 3), i32(4, dom="sizes:8"))
+case("ragged_dot_general", lax.ragged_dot, f32(7, 5), f32(5, 5, 3), i32(5, dom="sizes:7"))
+case("ragged_dot_general", lax.ragged_dot, f32(3, 5), f32(3, 5, 2), i32(3, dom="sizes:3"))
+case("ragged_dot_general", lambda x, w, g: lax.ragged_dot_general(x, w, g, _RD_ROWS_T),
+     f32(7, 5), f32(5, 3, 5), i32(5, dom="sizes:7"))
+case("ragged_dot_general", lambda x, y, g: lax.ragged_dot_general(x, y, g, _RD_CONTRACT),
+     f32(8, 4), f32(8, 3), i32(4, dom="sizes:8"))
+case("ragged_dot_general", lambda x, y, g: lax.ragged_dot_general(x, y, g, _RD_CONTRACT),
+     f32(7, 5), f32(7, 3), i32(5, dom="sizes:7"))
+case("ragged_dot_general", lambda x, y, g: lax.ragged_dot_general(x, y, g, _RD_CONTRACT),
+     f32(3, 2), f32(3, 5), i32(3, dom="sizes:3"))
+
 case("lu_pivots_to_permutation", lambda p: _LA.lu_pivots_to_permutation(p, 4), i32(7, 3, dom="idx:3"))
 case("lu_pivots_to_permutation", lambda p: _LA.lu_pivots_to_permutation(p, 3), i32(3, dom="idx:3"))
 case("eig", lambda x: _LA.eig(x, compute_left_eigenvectors=False), f32(7, 3, 3))
@@ -728,6 +743,9 @@ def _draw(rng: np.random.Generator, aval, dom: str | None, const=None) -> np.nda
     if dom and dom.startswith("oob:"):  # some indices below 0 or past the end
         n = int(dom[4:])
         return rng.integers(-3, n + 3, shape).astype(dt)
+    if dom and dom.startswith("sizes:"):  # group sizes of lax.ragged_dot: summing to m or m - 1
+        m = int(dom[6:])
+        return rng.multinomial(m - int(rng.integers(0, 2)), np.ones(shape[0]) / shape[0]).astype(dt)
     if dom and dom.startswith("perm:"):
         n = int(dom[5:])
         return rng.permutation(n)[: math.prod(shape)].reshape(shape).astype(dt)
@@ -1360,7 +1378,6 @@ _LAX_WITHOUT_RULE = {
     "empty",
     "from_edtype",
     "mulhi",
-    "ragged_dot_general",
     "reduce",
     "rng_uniform",
     "stage",

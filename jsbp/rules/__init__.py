@@ -6,6 +6,7 @@ from . import fft as fft
 from . import indexing as indexing
 from . import linalg as linalg
 from . import misc as misc
+from . import moe as moe
 from . import random as random
 from . import reduce as reduce
 from . import shape as shape
