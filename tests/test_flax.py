@@ -617,3 +617,18 @@ def test_context_parallel_matches_one_device(parallel):
     seq_plans = {"ring over 'cp'", "heads split", "queries split over 'cp', key/value whole"}
     assert len(notes) == 1 and notes <= seq_plans, notes
     assert ref.losses[-1] < ref.losses[0] - 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["cp=8", "dp=2,cp=4"])
+def test_context_parallel_at_2048_tokens_matches_one_device(parallel):
+    """The issue's size: 2048 tokens per sequence, three steps."""
+    cfg = dataclasses.replace(CP_CFG, seq=2048)
+    run = tg.train(parallel, steps=3, cfg=cfg, batch=2)
+    ref = tg.train("none", steps=3, cfg=cfg, batch=2)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5, atol=0)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(run.model, nnx.Param)),
+        jax.tree.leaves(nnx.state(ref.model, nnx.Param)),
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
