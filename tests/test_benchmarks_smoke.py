@@ -191,3 +191,29 @@ def test_planner_benchmark_quick_prints_its_tables(tmp_path):
     data = json.loads(out_json.read_text())
     assert len(data["programs"]) == 6 and data["totals"]["compared"] == 6
     assert [r["layers"] for r in data["timing"]] == [1, 4]
+
+
+def test_attention_benchmark_runs_each_plan():
+    """benchmarks/attention.py at one short length: a row per plan, the ring's collectives."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "attention.py"),
+            "--lengths",
+            "256",
+            "--reps",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = [r for r in res.stdout.splitlines() if r.startswith("| 256 |")]
+    assert [r.split("|")[2].strip() for r in rows[:4]] == ["one device", "gather", "ring", "heads"]
+    assert rows[4].split("|")[2].strip().startswith("chosen: ")
+    assert "collective-permute" in rows[2] and "all-gather" not in rows[2]
