@@ -217,3 +217,21 @@ def test_attention_benchmark_runs_each_plan():
     assert [r.split("|")[2].strip() for r in rows[:4]] == ["one device", "gather", "ring", "heads"]
     assert rows[4].split("|")[2].strip().startswith("chosen: ")
     assert "collective-permute" in rows[2] and "all-gather" not in rows[2]
+
+
+def test_moe_benchmark_runs_both_plans():
+    """benchmarks/moe.py at one small size: the planner's row and the gathered row (both checked
+    against one device by the script)."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "moe.py"), "--tokens", "256", "--reps", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = [r.split("|")[2].strip() for r in res.stdout.splitlines() if r.startswith("| 256 |")]
+    assert rows == ["planner's choice", "gathered experts"]
