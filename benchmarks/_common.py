@@ -1,6 +1,6 @@
-"""Shared by the training benchmarks (``training.py``, ``models.py``, ``auto.py``): the GSPMD
-baselines' pins (what a jsbp strategy annotates, written as ``with_sharding_constraint`` on
-``NamedSharding`` s), the interleaved step timer and the short names of collectives in their
+"""Shared by the benchmarks (``training.py``, ``models.py``, ``auto.py``, ``attention.py``, ``moe.py``):
+the GSPMD baselines' pins (what a jsbp strategy annotates, written as ``with_sharding_constraint``
+on ``NamedSharding`` s), the interleaved step timer, the plain median timer and the short names of collectives in their
 tables. Only jsbp's public API is used (``jsbp.named_sharding``, ``jsbp.debug``), so a refactor of
 jsbp's private modules does not break the benchmarks."""
 
@@ -40,6 +40,19 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n}"
+
+
+def median_seconds(fn, args, reps):
+    """Median wall time of ``fn(*args)`` over ``reps`` calls after one warm-up call."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
 
 
 def interleaved_medians(fns, states, batches, steps, warmup, seed=0):

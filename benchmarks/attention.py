@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
@@ -28,6 +26,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import median_seconds  # noqa: E402  (benchmarks/ is the script's directory)
 
 import jsbp  # noqa: E402
 import jsbp.nn  # noqa: E402
@@ -41,16 +40,6 @@ def step_fn(plan):
         return jnp.sum(jsbp.nn.dot_product_attention(q, k, v, is_causal=True, plan=plan))
 
     return jax.grad(loss, (0, 1, 2))
-
-
-def timed(fn, args, reps):
-    jax.block_until_ready(fn(*args))
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def one_device(t, reps):
@@ -68,7 +57,7 @@ def one_device(t, reps):
     fn = jax.jit(step)
     peak = fn.lower(*x).compile().memory_analysis()
     peak = peak.argument_size_in_bytes + peak.output_size_in_bytes + peak.temp_size_in_bytes
-    return peak, timed(fn, x, reps)
+    return peak, median_seconds(fn, x, reps)
 
 
 def split(t, plan, reps, plc):
@@ -81,7 +70,7 @@ def split(t, plan, reps, plc):
     notes = {r.note for r in jsbp.explain(fn, *x).rows if r.primitive.startswith("jsbp_attention")}
     peak = jsbp.debug.measured_bytes(fn, *x)["peak"]
     coll = {k: v for k, v in jsbp.debug.count_collectives(fn, *x).items() if v}
-    return peak, timed(fn, x, reps), notes, coll
+    return peak, median_seconds(fn, x, reps), notes, coll
 
 
 def main(argv=None) -> int:

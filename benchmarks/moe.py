@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import statistics
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
@@ -32,6 +30,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import median_seconds  # noqa: E402  (benchmarks/ is the script's directory)
 
 import jsbp  # noqa: E402
 
@@ -75,18 +74,13 @@ def main(argv=None) -> int:
             np.testing.assert_allclose(got[0].numpy(), ref[0], rtol=1e-4)
             for g, r in zip(got[1], ref[1]):
                 np.testing.assert_allclose(g.numpy(), r, rtol=1e-4, atol=1e-4)
-            jax.block_until_ready(fn(*args_))
-            times = []
-            for _ in range(args.reps):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*args_))
-                times.append(time.perf_counter() - t0)
+            seconds = median_seconds(fn, args_, args.reps)
             peak = jsbp.debug.measured_bytes(fn, *args_)["peak"]
             coll = jsbp.debug.count_collectives(fn, *args_)
             colls = ", ".join(f"{v} {k}" for k, v in coll.items() if v)
             name = "gathered experts" if gathered else "planner's choice"
             print(
-                f"| {t} | {name} | {peak / 2**20:.1f} | {statistics.median(times):.3f} | {colls} |",
+                f"| {t} | {name} | {peak / 2**20:.1f} | {seconds:.3f} | {colls} |",
                 flush=True,
             )
     return 0

@@ -15,10 +15,8 @@ from jax.sharding import PartitionSpec as P
 from jsbp.nn._kernels import (
     attention,
     attention_bwd,
-    attention_vjp,
     ring_attention,
     ring_attention_bwd,
-    ring_attention_vjp,
 )
 
 RNG = np.random.default_rng(0)
@@ -28,6 +26,81 @@ TOL = 1e-5
 
 def rand(*shape, scale=1.0):
     return (scale * RNG.normal(size=shape)).astype(np.float32)
+
+
+# the kernels under jax.vjp: a custom_vjp of each forward with its backward
+
+
+def _vjp_rule(fwd_fn, bwd_fn, n_static_arrays):
+    """A ``custom_vjp`` returning ``out`` of ``fwd_fn(q, k, v, bias, mask, *extra)``; only
+    ``q``, ``k``, ``v`` get cotangents (``bias``, ``mask`` and the ``extra`` arrays get none)."""
+
+    @jax.custom_vjp
+    def f(q, k, v, bias, mask, *extra):
+        return fwd_fn(q, k, v, bias, mask, *extra)[0]
+
+    def f_fwd(q, k, v, bias, mask, *extra):
+        out, lse = fwd_fn(q, k, v, bias, mask, *extra)
+        return out, (q, k, v, bias, mask, extra, out, lse)
+
+    def f_bwd(res, dout):
+        q, k, v, bias, mask, extra, out, lse = res
+        dq, dk, dv = bwd_fn(q, k, v, bias, mask, out, lse, dout, *extra)
+        return (dq, dk, dv, None, None) + (None,) * n_static_arrays
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def attention_vjp(
+    q,
+    k,
+    v,
+    bias=None,
+    mask=None,
+    *,
+    scale=None,
+    is_causal=False,
+    q_start=0,
+    k_start=0,
+    q_valid=None,
+    k_valid=None,
+):
+    """:func:`attention`'s ``out``, differentiable in ``q``, ``k``, ``v`` via
+    :func:`attention_bwd` (``bias`` / ``mask`` get no gradient)."""
+    T, S = q.shape[1], k.shape[1]
+    extra = (
+        jnp.asarray(q_start, jnp.int32),
+        jnp.asarray(k_start, jnp.int32),
+        jnp.asarray(T if q_valid is None else q_valid, jnp.int32),
+        jnp.asarray(S if k_valid is None else k_valid, jnp.int32),
+    )
+
+    def kw(qs, ks, qv, kv):
+        return dict(
+            scale=scale, is_causal=is_causal, q_start=qs, k_start=ks, q_valid=qv, k_valid=kv
+        )
+
+    def fwd(q, k, v, bias, mask, *e):
+        return attention(q, k, v, bias, mask, **kw(*e))
+
+    def bwd(q, k, v, bias, mask, out, lse, dout, *e):
+        return attention_bwd(q, k, v, bias, mask, out, lse, dout, **kw(*e))
+
+    return _vjp_rule(fwd, bwd, len(extra))(q, k, v, bias, mask, *extra)
+
+
+def ring_attention_vjp(q, k, v, bias=None, mask=None, **kw):
+    """:func:`ring_attention`'s ``out``, differentiable in ``q``, ``k``, ``v`` via
+    :func:`ring_attention_bwd`."""
+
+    def fwd(q, k, v, bias, mask):
+        return ring_attention(q, k, v, bias, mask, **kw)
+
+    def bwd(q, k, v, bias, mask, out, lse, dout):
+        return ring_attention_bwd(q, k, v, bias, mask, out, lse, dout, **kw)
+
+    return _vjp_rule(fwd, bwd, 0)(q, k, v, bias, mask)
 
 
 def balanced(T, n):

@@ -15,24 +15,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "compiler.py"
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 
 
-@pytest.mark.slow
-def test_compiler_benchmark_quick_prints_its_tables():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the script sets up its own 8 CPU devices
-    res = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick"],
+def _benchmark(script: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
+    """Run ``benchmarks/<script> *args`` as a user would (from the repository root, with the
+    script setting up its own 8 CPU devices)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=timeout,
     )
+
+
+@pytest.mark.slow
+def test_compiler_benchmark_quick_prints_its_tables():
+    res = _benchmark("compiler.py", "--quick", timeout=1800)
     out = res.stdout
     assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
     for header in (
@@ -54,26 +59,17 @@ def test_compiler_benchmark_quick_prints_its_tables():
 @pytest.mark.slow
 def test_models_benchmark_one_case_prints_its_table():
     """benchmarks/models.py (issue 18's zoo, jsbp vs GSPMD) runs one model x layout end to end."""
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "models.py"),
-            "--models",
-            "cnn",
-            "--layouts",
-            "dp8",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--program",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    res = _benchmark(
+        "models.py",
+        "--models",
+        "cnn",
+        "--layouts",
+        "dp8",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--program",
         timeout=600,
     )
     assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{res.stderr[-4000:]}"
@@ -89,25 +85,7 @@ def test_models_benchmark_one_case_prints_its_table():
 def test_auto_benchmark_one_shape_prints_its_table():
     """benchmarks/auto.py (issue 20: Strategy.auto vs the hand-picked strategies) runs one shape
     end to end; every strategy's first losses match one device (it exits non-zero otherwise)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "auto.py"),
-            "--only",
-            "gpt",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+    res = _benchmark("auto.py", "--only", "gpt", "--steps", "2", "--warmup", "1", timeout=1800)
     out = res.stdout
     assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
     for row in (
@@ -126,23 +104,7 @@ def test_device_check_runs_and_compares_with_jax_jit():
     """benchmarks/device_check.py (the one-device path against plain jax.jit, for a lent GPU) runs
     on the CPU: jsbp.jit's losses and parameters agree with jax.jit (it exits non-zero
     otherwise) and every variant gets a row."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "device_check.py"),
-            "--sizes",
-            "small",
-            "--steps",
-            "2",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    res = _benchmark("device_check.py", "--sizes", "small", "--steps", "2", timeout=600)
     out = res.stdout
     assert res.returncode == 0, (
         f"device check failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
@@ -159,23 +121,8 @@ def test_planner_benchmark_quick_prints_its_tables(tmp_path):
     """benchmarks/planner.py --quick plans a handful of programs: a row each beside its recorded
     plan (tests/data/plan_costs.json), the totals, and the planning-time rows; --json writes the
     same figures."""
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
     out_json = tmp_path / "planner.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "planner.py"),
-            "--quick",
-            "--json",
-            str(out_json),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    res = _benchmark("planner.py", "--quick", "--json", str(out_json), timeout=1200)
     out = res.stdout
     assert res.returncode == 0, f"benchmark failed ({res.returncode}):\n{out}\n{res.stderr[-4000:]}"
     for name in ("gpt DP", "tests matmul_zero", "tests tp"):
@@ -195,23 +142,7 @@ def test_planner_benchmark_quick_prints_its_tables(tmp_path):
 
 def test_attention_benchmark_runs_each_plan():
     """benchmarks/attention.py at one short length: a row per plan, the ring's collectives."""
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "attention.py"),
-            "--lengths",
-            "256",
-            "--reps",
-            "1",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    res = _benchmark("attention.py", "--lengths", "256", "--reps", "1", timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     rows = [r for r in res.stdout.splitlines() if r.startswith("| 256 |")]
     assert [r.split("|")[2].strip() for r in rows[:4]] == ["one device", "gather", "ring", "heads"]
@@ -222,16 +153,7 @@ def test_attention_benchmark_runs_each_plan():
 def test_moe_benchmark_runs_both_plans():
     """benchmarks/moe.py at one small size: the planner's row and the gathered row (both checked
     against one device by the script)."""
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "moe.py"), "--tokens", "256", "--reps", "1"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    res = _benchmark("moe.py", "--tokens", "256", "--reps", "1", timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     rows = [r.split("|")[2].strip() for r in res.stdout.splitlines() if r.startswith("| 256 |")]
     assert rows == ["planner's choice", "gathered experts"]

@@ -36,6 +36,7 @@ from jax.interpreters import batching, mlir
 from .. import sbp as S
 from .._layout import balanced, offsets
 from ..rules import LocalCost, register_sbp_rule
+from ..rules._common import mask_padding
 from . import _kernels
 
 PLANS = ("gather", "ring", "heads")
@@ -331,15 +332,6 @@ def _cost(bwd):
     return cost
 
 
-def _zero_padding(x, s, valid):
-    """``x`` with the rows of its dim split by ``s`` past ``valid`` zeroed (as is, if ``s`` does
-    not split)."""
-    if not s.is_split or x.shape[s.dim] <= 1:
-        return x
-    keep = lax.broadcasted_iota(jnp.int32, x.shape, s.dim) < valid
-    return jnp.where(keep, x, jnp.zeros((), x.dtype))
-
-
 def _local(bwd):
     def local(step, ins):
         p = step.eqn.params
@@ -354,7 +346,7 @@ def _local(bwd):
             i = lax.axis_index(name)
             # the padding at the end of an uneven block holds anything (NaN included): zeroed
             ins = [
-                _zero_padding(x, lay.nd_sbp[a], jnp.asarray(sizes)[i])
+                mask_padding(x, lay, (lay.nd_sbp[a].dim,), 0) if lay.nd_sbp[a].is_split else x
                 for x, lay in zip(ins, step.in_layouts)
             ]
             if ring:

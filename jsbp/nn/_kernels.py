@@ -32,8 +32,6 @@ What exists:
   ``bias`` / ``mask`` come split along the query dim (dim 2, local length ``L``, or size 1) with
   the key dim (dim 3) either the full logical length ``S = sum(sizes)``, the padded length
   ``n * L``, or 1.
-* :func:`attention_vjp` and :func:`ring_attention_vjp` -- ``jax.custom_vjp`` wrappers returning
-  ``out`` only and differentiable in ``q``, ``k``, ``v`` through the kernels above.
 
 Semantics worth knowing:
 
@@ -53,7 +51,8 @@ Semantics worth knowing:
   ``k_valid == 0``) gets ``out = 0`` and ``lse = -inf``. Padded query rows get ``out = 0`` and
   ``lse = 0``; they contribute nothing to ``dk`` / ``dv`` and get ``dq = 0``. Padded key rows
   never contribute and get ``dk = dv = 0``.
-* ``bias`` and ``mask`` are not differentiated (the wrappers return zero cotangents for them).
+* The backwards give the cotangents of ``q``, ``k`` and ``v`` only; ``jsbp.nn`` differentiates a
+  learned bias through the plain computation.
 * Causal means key position <= query position in global positions (``T == S``).
 """
 
@@ -61,7 +60,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -69,10 +67,8 @@ from jax import lax
 __all__ = [
     "attention",
     "attention_bwd",
-    "attention_vjp",
     "ring_attention",
     "ring_attention_bwd",
-    "ring_attention_vjp",
 ]
 
 _F32 = jnp.float32
@@ -318,65 +314,6 @@ def attention_bwd(
     )
     dv = dv + _bwd_uniform(dout5, lse5, qok, kok, k_total)
     return dq5.reshape(B, T, N, H).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-def _vjp_rule(fwd_fn, bwd_fn, n_static_arrays):
-    """A ``custom_vjp`` returning ``out`` of ``fwd_fn(q, k, v, bias, mask, *extra)``; only
-    ``q``, ``k``, ``v`` get cotangents (``bias``, ``mask`` and the ``extra`` arrays get none)."""
-
-    @jax.custom_vjp
-    def f(q, k, v, bias, mask, *extra):
-        return fwd_fn(q, k, v, bias, mask, *extra)[0]
-
-    def f_fwd(q, k, v, bias, mask, *extra):
-        out, lse = fwd_fn(q, k, v, bias, mask, *extra)
-        return out, (q, k, v, bias, mask, extra, out, lse)
-
-    def f_bwd(res, dout):
-        q, k, v, bias, mask, extra, out, lse = res
-        dq, dk, dv = bwd_fn(q, k, v, bias, mask, out, lse, dout, *extra)
-        return (dq, dk, dv, None, None) + (None,) * n_static_arrays
-
-    f.defvjp(f_fwd, f_bwd)
-    return f
-
-
-def attention_vjp(
-    q,
-    k,
-    v,
-    bias=None,
-    mask=None,
-    *,
-    scale=None,
-    is_causal=False,
-    q_start=0,
-    k_start=0,
-    q_valid=None,
-    k_valid=None,
-):
-    """:func:`attention`'s ``out``, differentiable in ``q``, ``k``, ``v`` via
-    :func:`attention_bwd` (``bias`` / ``mask`` get no gradient)."""
-    T, S = q.shape[1], k.shape[1]
-    extra = (
-        jnp.asarray(q_start, jnp.int32),
-        jnp.asarray(k_start, jnp.int32),
-        jnp.asarray(T if q_valid is None else q_valid, jnp.int32),
-        jnp.asarray(S if k_valid is None else k_valid, jnp.int32),
-    )
-
-    def kw(qs, ks, qv, kv):
-        return dict(
-            scale=scale, is_causal=is_causal, q_start=qs, k_start=ks, q_valid=qv, k_valid=kv
-        )
-
-    def fwd(q, k, v, bias, mask, *e):
-        return attention(q, k, v, bias, mask, **kw(*e))
-
-    def bwd(q, k, v, bias, mask, out, lse, dout, *e):
-        return attention_bwd(q, k, v, bias, mask, out, lse, dout, **kw(*e))
-
-    return _vjp_rule(fwd, bwd, len(extra))(q, k, v, bias, mask, *extra)
 
 
 # --------------------------------------------------------------------------------------------
@@ -736,39 +673,3 @@ def ring_attention_bwd(
     if r.zig:
         dq, dk, dv = _from_zig([(dq, 1), (dk, 1), (dv, 1)], axis_name, n)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-def ring_attention_vjp(
-    q,
-    k,
-    v,
-    bias=None,
-    mask=None,
-    *,
-    axis_name,
-    axis_size,
-    starts,
-    sizes,
-    scale=None,
-    is_causal=False,
-    balance=False,
-):
-    """:func:`ring_attention`'s ``out``, differentiable in ``q``, ``k``, ``v`` via
-    :func:`ring_attention_bwd` (``bias`` / ``mask`` get no gradient)."""
-    kw = dict(
-        axis_name=axis_name,
-        axis_size=axis_size,
-        starts=starts,
-        sizes=sizes,
-        scale=scale,
-        is_causal=is_causal,
-        balance=balance,
-    )
-
-    def fwd(q, k, v, bias, mask):
-        return ring_attention(q, k, v, bias, mask, **kw)
-
-    def bwd(q, k, v, bias, mask, out, lse, dout):
-        return ring_attention_bwd(q, k, v, bias, mask, out, lse, dout, **kw)
-
-    return _vjp_rule(fwd, bwd, 0)(q, k, v, bias, mask)
