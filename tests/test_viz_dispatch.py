@@ -305,7 +305,7 @@ def test_text_snapshot():
         """\
         expert dispatch · 8 tokens × top-2 over 4 devices, 8 experts
           tokens per device 2, 2, 2, 2; experts per device 2, 2, 2, 2 (both split as S(0))
-          capacity 1 per expert in each of 4 groups (32 slots; first choices before second, earlier tokens first)
+          capacity 1 per expert in each of 4 groups (32 slots; one per device; first choices before second, earlier tokens first)
           source \\ dest     d0       d1     d2       d3     sent
           experts        e0-e1    e2-e3  e4-e5    e6-e7
           d0 t0:2          [2]        1      0        0        3
@@ -334,3 +334,13 @@ def test_text_dropless_uneven():
     assert lines[9].split()[0] == "received" and lines[9].split()[-1] == "10"
     assert not any(line.split()[:1] == ["dropped"] for line in lines)
     assert lines[-1].startswith("total: 10 of 10 pairs sent")
+
+
+def test_text_groups_across_devices():
+    lines = viz.expert_dispatch_text(HAND, 4, 8, capacity=1, groups=2).splitlines()
+    assert lines[2] == (
+        "  capacity 1 per expert in each of 2 groups (16 slots; first choices before second, "
+        "earlier tokens first)"
+    )
+    assert [line.split()[-1] for line in lines[5:9]] == ["3", "2", "2", "2"]  # sent per device
+    assert lines[10].split() == ["dropped", "3", "1", "0", "3", "7"]

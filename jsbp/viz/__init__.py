@@ -1,4 +1,5 @@
-"""Pictures of layouts, boxings, plans, ring schedules and expert dispatches, for Jupyter (HTML) and terminals (text).
+"""Pictures of layouts, boxings, plans, ring schedules and expert dispatches, for Jupyter (HTML)
+and terminals (text).
 
 ``GlobalTensor._repr_html_`` and ``placement._repr_html_`` call into this package lazily, so the
 core never imports it. Every HTML picture is self-contained (inline CSS and SVG: no script, no

@@ -277,9 +277,10 @@ def _title_words(d: ExpertDispatch) -> str:
 def _capacity_words(d: ExpertDispatch) -> str:
     if d.capacity is None:
         return "dropless: every pair is sent"
+    where = "; one per device" if d.groups == d.token_blocks else ""
     return (
         f"capacity {d.capacity} per expert in each of {_s(len(d.groups), 'group')} "
-        f"({d.slots} slots; first choices before second, earlier tokens first)"
+        f"({d.slots} slots{where}; first choices before second, earlier tokens first)"
     )
 
 
