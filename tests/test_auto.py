@@ -461,3 +461,160 @@ def test_flax_auto_model_without_names_and_accum():
         assert (
             _rel(getattr(got, lin).kernel.get_value(), getattr(want, lin).kernel.get_value()) < 1e-5
         )
+
+
+# ------------------------------------------------------------------------------------------------
+# Flax: Strategy.auto splits a sequence or the experts when the memory budget asks for it
+# ------------------------------------------------------------------------------------------------
+
+
+def _init_named(names, std=0.02):
+    return nnx.with_partitioning(nnx.initializers.normal(std), names)
+
+
+class _MoE(nnx.Module):
+    """GShard / Switch mixture of experts: a top-2 softmax router, each batch row a group with
+    its own expert buffers (capacity factor 1.25, overflow dropped), expert weights named
+    ``("expert", ...)``."""
+
+    def __init__(self, d, f, e, rngs, k=2, capacity_factor=1.25):
+        self.k, self.capacity_factor = k, capacity_factor
+        self.router = nnx.Linear(
+            d, e, use_bias=False, kernel_init=_init_named(("embed", None)), rngs=rngs
+        )
+        self.w1 = nnx.Param(_init_named(("expert", "embed", "mlp"))(rngs.params(), (e, d, f)))
+        self.w2 = nnx.Param(_init_named(("expert", "mlp", "embed"))(rngs.params(), (e, f, d)))
+
+    def __call__(self, x):
+        g, s, _ = x.shape
+        e = self.w1.shape[0]
+        c = math.ceil(self.capacity_factor * self.k * s / e)
+        gates, idx = jax.lax.top_k(jax.nn.softmax(self.router(x), axis=-1), self.k)
+        gates = gates / gates.sum(-1, keepdims=True)
+        mask = jax.nn.one_hot(idx, e, dtype=x.dtype)  # [g, s, k, e]
+        m = jnp.swapaxes(mask, 1, 2).reshape(g, self.k * s, e)
+        pos = jnp.swapaxes(((jnp.cumsum(m, axis=1) - 1.0) * m).reshape(g, self.k, s, e), 1, 2)
+        keep = mask * (pos < c)
+        slot = jax.nn.one_hot(jnp.sum(pos * keep, -1).astype(jnp.int32), c, dtype=x.dtype)
+        dispatch = jnp.einsum("gske,gskc->gsec", keep, slot)
+        combine = jnp.einsum("gske,gsk,gskc->gsec", keep, gates, slot)
+        xe = jnp.einsum("gsec,gsd->egcd", dispatch, x)
+        h = nnx.gelu(jnp.einsum("egcd,edf->egcf", xe, self.w1[...]))
+        return jnp.einsum("gsec,egcd->gsd", combine, jnp.einsum("egcf,efd->egcd", h, self.w2[...]))
+
+
+class _MoELM(nnx.Module):
+    VOCAB = 64
+
+    def __init__(self, rngs, d=32, f=128, experts=8):
+        self.embed = nnx.Embed(
+            self.VOCAB, d, embedding_init=_init_named(("vocab", "embed")), rngs=rngs
+        )
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.moe = _MoE(d, f, experts, rngs)
+        self.head = nnx.Linear(
+            d, self.VOCAB, kernel_init=_init_named(("embed", "vocab")), rngs=rngs
+        )
+
+    def __call__(self, tokens):
+        x = jflax.constrain(self.embed(tokens), ("batch", None, "embed"))
+        return self.head(x + jflax.constrain(self.moe(self.norm(x)), ("batch", None, "embed")))
+
+
+def _moe_loss(model, batch):
+    logits = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def _moe_objects():
+    with nnx.use_eager_sharding(False):
+        model = _MoELM(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-3), wrt=nnx.Param)
+
+
+def _train_and_compare(objects, loss_fn, strategy, batches):
+    """Train ``strategy`` and one device on the same batches: losses and parameters at 1e-5.
+    Returns the sharded model, optimizer and step."""
+    model, opt = jflax.shard(objects(), strategy)
+    step = jflax.make_train_step(loss_fn, strategy)
+    losses = [_loss_value(step(model, opt, b)) for b in batches]
+    ref_model, ref_opt = objects()
+    ref_step = jflax.make_train_step(loss_fn, None)
+    want = [_loss_value(ref_step(ref_model, ref_opt, b)) for b in batches]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    _check_params(model, nnx.state(ref_model, nnx.Param))
+    return model, opt, step
+
+
+def test_flax_auto_splits_experts_when_the_budget_asks():
+    """Expert weights of 8 experts do not fit a budget replicated (nor split over their feature
+    dims, nor under ZeRO); Strategy.auto splits the expert dim over the batch's axis, and the
+    plan dispatches tokens to their experts by all-to-all without gathering expert weights."""
+    r = np.random.default_rng(0)
+    batches = [r.integers(0, _MoELM.VOCAB, size=(8, 17)).astype(np.int32) for _ in range(STEPS)]
+    budget = 400 * 1024
+    model, opt = _moe_objects()
+    s = jflax.Strategy.auto(
+        jsbp.placement("cpu", np.arange(8)),
+        budget,
+        model=model,
+        optimizer=opt,
+        loss_fn=_moe_loss,
+        batch=batches[0],
+    )
+    rep = s.report
+    # the premise: only strategies that split the experts fit
+    assert all("expert" in c.strategy.axis_map for c in rep.candidates if c.fits), str(rep)
+    assert s.axis_map["expert"] == s.axis_map["batch"] == ("dp",), str(rep)
+    model, opt, step = _train_and_compare(_moe_objects, _moe_loss, s, batches)
+    plan = step.explain(model, opt, batches[0])
+    counts = step.count_collectives(model, opt, batches[0])
+    assert plan.collectives() == counts and counts["all-to-all"] >= 2, counts
+    w = model.moe.w1
+    assert not [
+        b
+        for b in plan.boxings()
+        if tuple(b.shape) == tuple(w.shape) and "all-gather" in b.collectives
+    ], str(plan)
+    assert step.memory(model, opt, batches[0])["in_place"] <= budget
+
+
+def test_flax_auto_splits_the_sequence_when_the_budget_asks():
+    """One long sequence (batch 1, 128 tokens): Megatron's layout alone does not fit the budget,
+    nor does any layout that keeps the residual stream's sequence whole; Strategy.auto maps its
+    sequence name (``act_seq``, train_gpt.py's residual stream) to the tensor-parallel axis
+    beside the heads and the MLP: Megatron-SP."""
+    cfg = tg.GPTConfig(vocab=64, seq=128, d_model=64, n_heads=4, n_layers=1, d_mlp=256)
+    r = np.random.default_rng(0)
+    batches = [
+        r.integers(0, cfg.vocab, size=(1, cfg.seq + 1)).astype(np.int32) for _ in range(STEPS)
+    ]
+
+    def objects():
+        with nnx.use_eager_sharding(False):
+            model = tg.GPT(cfg, nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-3), wrt=nnx.Param)
+
+    budget = 950 * 1024
+    model, opt = objects()
+    s = jflax.Strategy.auto(
+        jsbp.placement("cpu", np.arange(8)),
+        budget,
+        model=model,
+        optimizer=opt,
+        loss_fn=tg.loss_fn,
+        batch=batches[0],
+    )
+    rep = s.report
+    assert all("act_seq" in c.strategy.axis_map for c in rep.candidates if c.fits), str(rep)
+    axes = s.axis_map
+    assert axes["act_seq"] == axes["heads"] == axes["mlp"] == ("tp",), str(rep)
+    # context parallelism (both sequence names split, the weights whole) was a candidate too
+    assert any(
+        c.strategy.axis_map.keys() - {"batch"} == {"seq", "act_seq"} for c in rep.candidates
+    ), str(rep)
+    model, opt, step = _train_and_compare(objects, tg.loss_fn, s, batches)
+    counts = step.count_collectives(model, opt, batches[0])
+    assert step.explain(model, opt, batches[0]).collectives() == counts
+    assert counts["reduce-scatter"] > 0, counts  # row-parallel outputs P -> S(seq)
+    assert step.memory(model, opt, batches[0])["in_place"] <= budget

@@ -5,19 +5,29 @@ The search space is the strategies written by hand (``examples/train_gpt.py``), 
 * the **grid**: the placement's devices (in placement order) as ``dp × tp`` for every
   factorisation of their count (``dp=8``, ``dp=4×tp=2``, ``dp=2×tp=4``, ``tp=8`` on 8 devices);
 * **tensor parallelism** over ``tp``: which of the model's logical axis names (Flax's
-  ``nnx.with_partitioning`` metadata: ``"heads"``, ``"mlp"``, ``"vocab"``, ...) are split over
-  ``tp`` — Megatron's column / row pairs follow from the names. A model without names gets a
-  per-leaf choice instead: for its largest 2-d weights, split dim 0 or dim 1 over ``tp`` or not;
-* **data parallelism** over ``dp``: the batch split on its first dim, and the ZeRO stage (0-3:
-  optimizer state, + gradients, + parameters split over ``dp``).
+  ``nnx.with_partitioning`` metadata: ``"heads"``, ``"mlp"``, ``"vocab"``, ``"expert"``, ...)
+  are split over ``tp`` — Megatron's column / row pairs follow from the names, and an expert
+  dim over ``tp`` is expert parallelism. A model without names gets a per-leaf choice instead:
+  for its largest 2-d weights, split dim 0 or dim 1 over ``tp`` or not;
+* **sequence and context parallelism** over ``tp``: the names only activations carry (those of
+  ``jsbp.flax.constrain`` calls, recorded while the first candidate is traced: a sequence dim
+  such as train_gpt.py's ``"seq"`` / ``"act_seq"``), added to the best tensor-parallel set
+  (the residual stream's sequence beside the heads and MLP is Megatron-SP) or alone (every
+  sequence dim split, the weights whole: context parallelism);
+* **data parallelism** over ``dp``: the batch split on its first dim; names split over ``dp``
+  too (the experts beside the batch: expert parallelism with the tokens dispatched by
+  all-to-all; a name that shares a ``constrain`` call with ``"batch"`` cannot be); and the
+  ZeRO stage (0-3: optimizer state, + gradients, + parameters split over ``dp``).
 
 Every candidate is a ``Strategy``; its train step is planned by jsbp (abstract state: nothing
 is put on devices, nothing compiled) and costed with ``jsbp._cost.estimate`` (collectives +
-compute, predicted peak bytes per device). The tensor-parallel choice is a greedy walk on the
-pure ``tp`` grid (add one name — or one leaf's split — at a time while the step gets cheaper),
-reused on the mixed grids; the ZeRO stage is tried exhaustively on every grid with a ``dp`` axis.
-The cheapest candidate whose predicted peak fits ``memory_budget`` wins; ties go to the earlier
-candidate (fixed order), so the choice is deterministic.
+compute, predicted peak bytes per device). The tensor-parallel choice is made on the pure ``tp``
+grid (every legal set of the parameters' names when there are at most ``EXHAUSTIVE_OPTIONS``,
+else forward selection: add the option that helps most while one helps; then the activations'
+names by forward selection) and reused on the mixed grids; the names over ``dp`` are a forward
+selection on each grid with a ``dp`` axis, and the ZeRO stages are tried on top of it. The
+cheapest candidate whose predicted peak fits ``memory_budget`` wins (over budget: the least
+excess); ties go to the earlier candidate (fixed order), so the choice is deterministic.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from ._strategy import (
     dim_names,
     leaf_layouts,
     path_str,
+    recording_names,
 )
 from ._train import make_train_step
 
@@ -58,8 +69,8 @@ MAX_LEAF_CHOICES = 8
 """A model without logical names: how many of its largest 2-d weights get a per-leaf choice."""
 
 ZERO_SLACK = 1.5
-"""Without a memory budget, ZeRO stages are planned only on grids whose ZeRO-0 step is estimated
-within this factor of the best grid's (in ``benchmarks/auto.py`` the best ZeRO stage saved at
+"""Without a memory budget, ZeRO stages are planned only on grids whose best ZeRO-0 step is
+estimated within this factor of the best candidate's (in ``benchmarks/auto.py`` the best ZeRO stage saved at
 most ~20 % of a ZeRO-0 step: its collectives are combined, the gradient all-reduces are not)."""
 
 EXHAUSTIVE_OPTIONS = 5
@@ -204,6 +215,7 @@ class _Search:
         self.candidates: list[Candidate] = []
         self.errors: list[str] = []  # candidates that could not be planned, and why
         self._seen: dict = {}
+        self.names_seen: set = set()  # the logical names of every constrain call traced
 
     def plan(self, strategy: Strategy) -> Estimate:
         plc = strategy.placement
@@ -222,7 +234,8 @@ class _Search:
             return _abstract(x, plc, strategy.batch_sbp(x.ndim, accum=self.accum > 1))
 
         batch = jax.tree.map(put, self.batch)
-        entry = step.pure(self.graphdef, state, batch).lower_program(state, batch)
+        with recording_names(self.names_seen):
+            entry = step.pure(self.graphdef, state, batch).lower_program(state, batch)
         return estimate(entry.program, self.cost)
 
     def score(self, c: Candidate):
@@ -260,11 +273,67 @@ def estimate_strategy(
     return _Search(loss_fn, model, optimizer, batch, accum, cost_model, None).plan(strategy)
 
 
-def _name(dp, tp, tp_desc, zero):
+def _name(dp, tp, tp_desc, zero, dp_choice=()):
     if dp == 1 and tp_desc == "{}":  # nothing split over tp and no dp: every value replicated
         return f"replicated on {tp}"
     grid = "×".join(f"{a}={n}" for a, n in (("dp", dp), ("tp", tp)) if n > 1) or "one device"
-    return grid + (f" {tp_desc}" if tp > 1 else "") + (f" zero-{zero}" if zero else "")
+    return (
+        grid
+        + (f" {tp_desc}" if tp > 1 else "")
+        + (f" dp{_desc(dp_choice)}" if dp_choice else "")
+        + (f" zero-{zero}" if zero else "")
+    )
+
+
+def _desc(choice) -> str:
+    """``{heads,mlp}``: logical names; ``{fc1/kernel:S(1)}``: a weight's dim (a model without names)."""
+    return "{" + ",".join(o if isinstance(o, str) else f"{o[0]}:S({o[1]})" for o in choice) + "}"
+
+
+def _strategy(plc, tp_choice, dp_choice, zero) -> Strategy:
+    """The candidate: the batch and the ``dp_choice`` names over ``dp``; the ``tp_choice`` names
+    (or weights' dims) over ``tp``; ZeRO stage ``zero``."""
+    axes = plc.axis_names
+    logical = {"batch": "dp"} if "dp" in axes else {}
+    param_sbp = []
+    for where, choice in (("dp", dp_choice), ("tp", tp_choice)):
+        if where not in axes:
+            continue
+        for o in choice:
+            if isinstance(o, str):
+                logical[o] = where
+            else:
+                nd = [_sbp.broadcast] * plc.ndim
+                nd[axes.index(where)] = _sbp.split(o[1])
+                param_sbp.append(("(^|/)" + re.escape(o[0]) + "$", tuple(nd)))
+    return Strategy(plc, logical_axes=logical, param_sbp=param_sbp, zero=zero)
+
+
+def _activation_names(seen) -> tuple[set, set]:
+    """From the names of a trace's ``constrain`` calls: every name (``"batch"`` excluded), and
+    the names that share a call with ``"batch"`` (they cannot go to the batch's axis)."""
+    flat = [
+        {x for n in names for x in (n if isinstance(n, tuple) else (n,)) if isinstance(x, str)}
+        for names in seen
+    ]
+    every = set().union(*flat) - {"batch"}
+    mates = set().union(*(f for f in flat if "batch" in f)) - {"batch"}
+    return every, mates
+
+
+def _forward(start, options, legal, run, score):
+    """Forward selection from ``start``: add the option that lowers ``score(run(choice))`` most,
+    while one does (``run`` is memoised by ``_Search.try_``). Ties go to the earlier option."""
+    best = start
+    while True:
+        tries = [tuple(sorted(best + (o,), key=str)) for o in options if o not in best]
+        tries = [c for c in tries if legal(c)]
+        if not tries:
+            return best
+        c = min(tries, key=lambda c: score(run(c)))
+        if not score(run(c)) < score(run(best)):
+            return best
+        best = c
 
 
 def auto_strategy(
@@ -296,93 +365,89 @@ def auto_strategy(
             "memory_budget to at least that (plus room for activations) or use more devices."
         )
     names = _model_names(search.flat)
-    mats = [] if names else _big_matrices(search.flat)
     grids = _grids(placement)
+    # the pure dp grid first: its trace records the activations' logical names
+    dp_n, _, dp_plc = grids[0]
+    search.try_(_name(dp_n, 1, "{}", 0), _strategy(dp_plc, (), (), 0))
+    act_names, batch_mates = _activation_names(search.names_seen)
+    act_only = sorted(act_names - set(names))
 
-    def strategy(plc, tp_choice, zero):
-        axes = plc.axis_names
-        logical = {"batch": "dp"} if "dp" in axes else {}
-        param_sbp = []
-        if "tp" in axes:
-            if names:
-                logical.update({n: "tp" for n in tp_choice})
-            else:
-                t = axes.index("tp")
-                for path, dim in tp_choice:
-                    nd = [_sbp.broadcast] * plc.ndim
-                    nd[t] = _sbp.split(dim)
-                    param_sbp.append(("(^|/)" + re.escape(path) + "$", tuple(nd)))
-        return Strategy(plc, logical_axes=logical, param_sbp=param_sbp, zero=zero)
+    def score(c):
+        return search.score(c) if c is not None else (math.inf,)
 
-    def desc(choice):
-        if names:
-            return "{" + ",".join(choice) + "}"
-        return "{" + ",".join(f"{p}:S({d})" for p, d in choice) + "}"
-
-    # 1) tensor parallelism on the pure tp grid (the largest tp): every legal set of names when
-    #    there are few, else forward selection (add the option that helps most while one helps)
+    # 1) tensor parallelism on the pure tp grid (the largest tp): the parameters' names (or, a
+    #    model without names, its largest weights' dims): every legal set when there are few,
+    #    else forward selection; then the names only activations carry (a sequence dim: context
+    #    or sequence parallelism), added by forward selection to that best set and to none
     tp_choice: tuple = ()
     if len(grids) > 1:
         _, tp_n, tp_plc = grids[-1]
         options = (
-            list(names) if names else [(p, d) for p, s in mats for d in (0, 1) if s[d] % tp_n == 0]
+            list(names)
+            if names
+            else [(p, d) for p, s in _big_matrices(search.flat) for d in (0, 1) if s[d] % tp_n == 0]
         )
-        conflicts = _conflicts(search.flat, names) if names else None
+        conflicts = _conflicts(search.flat, names)
 
         def legal(choice):
-            if names:
-                return not any(len(c & set(choice)) > 1 for c in conflicts)
-            return len({p for p, _ in choice}) == len(choice)
+            ns = {o for o in choice if isinstance(o, str)}
+            leaves = [o[0] for o in choice if not isinstance(o, str)]
+            return len(set(leaves)) == len(leaves) and not any(len(c & ns) > 1 for c in conflicts)
 
         def run(choice):
-            return search.try_(_name(1, tp_n, desc(choice), 0), strategy(tp_plc, choice, 0))
+            return search.try_(_name(1, tp_n, _desc(choice), 0), _strategy(tp_plc, choice, (), 0))
 
-        subsets = (
-            [
+        if len(options) <= EXHAUSTIVE_OPTIONS:
+            subsets = (
                 c
                 for k in range(len(options) + 1)
                 for c in itertools.combinations(options, k)
                 if legal(c)
-            ]
-            if len(options) <= EXHAUSTIVE_OPTIONS
-            else None
-        )
-        if subsets is not None:
-            best = None
-            for choice in subsets:
-                c = run(choice)
-                if c is not None and (best is None or search.score(c) < search.score(best)):
-                    best, tp_choice = c, choice
+            )
+            tp_choice = min(subsets, key=lambda c: score(run(c)))
         else:
-            best = run(())
-            while True:
-                round_best = None
-                for opt in options:
-                    choice = tuple(sorted(tp_choice + (opt,)))
-                    if opt in tp_choice or not legal(choice):
-                        continue
-                    c = run(choice)
-                    if c is not None and (
-                        round_best is None or search.score(c) < search.score(round_best[0])
-                    ):
-                        round_best = (c, choice)
-                if round_best is None or (
-                    best is not None and not search.score(round_best[0]) < search.score(best)
-                ):
-                    break
-                best, tp_choice = round_best
-    # 2) every grid with that tensor parallelism; the ZeRO stages on every grid with a dp axis
-    #    (without a budget: only on grids whose ZeRO-0 step is within ZERO_SLACK of the best)
+            tp_choice = _forward((), options, legal, run, score)
+        if act_only:
+            ends = [_forward(start, act_only, legal, run, score) for start in (tp_choice, ())]
+            tp_choice = min(ends, key=lambda c: score(run(c)))
+    # 2) every grid with that tensor parallelism
     plain = [
-        (dp, tp, plc, search.try_(_name(dp, tp, desc(tp_choice), 0), strategy(plc, tp_choice, 0)))
+        (
+            dp,
+            tp,
+            plc,
+            search.try_(_name(dp, tp, _desc(tp_choice), 0), _strategy(plc, tp_choice, (), 0)),
+        )
         for dp, tp, plc in grids
     ]
-    best0 = min(c.estimate.seconds for *_, c in plain if c is not None)
+    # 3) on every grid with a dp axis, names also split over dp (experts: expert parallelism over
+    #    the data axis), by forward selection; a name that shares an activation with "batch"
+    #    cannot be. Then the ZeRO stages on top (without a budget: only on grids whose step is
+    #    estimated within ZERO_SLACK of the best)
+    dp_options = sorted((set(names) | act_names) - set(tp_choice) - batch_mates)
+    best = []
     for dp, tp, plc, c in plain:
-        if dp == 1 or c is None or (budget is None and c.estimate.seconds > ZERO_SLACK * best0):
+        if dp == 1 or c is None:
+            continue
+
+        def run_dp(choice, zero=0, dp=dp, tp=tp, plc=plc):
+            return search.try_(
+                _name(dp, tp, _desc(tp_choice), zero, choice),
+                _strategy(plc, tp_choice, choice, zero),
+            )
+
+        # on a grid without tp, the tp names are free for dp
+        opts = (
+            dp_options if tp > 1 else sorted(set(dp_options) | {o for o in tp_choice if o in names})
+        )
+        dp_choice = _forward((), opts, lambda c: True, run_dp, score)
+        best.append((run_dp(dp_choice), dp_choice, run_dp))
+    best0 = min(c.estimate.seconds for c in search.candidates)
+    for c, dp_choice, run_dp in best:
+        if budget is None and c.estimate.seconds > ZERO_SLACK * best0:
             continue
         for zero in (1, 2, 3):
-            search.try_(_name(dp, tp, desc(tp_choice), zero), strategy(plc, tp_choice, zero))
+            run_dp(dp_choice, zero)
     if not search.candidates:
         raise SbpError(
             "Strategy.auto: no candidate strategy could be planned; the first error: "

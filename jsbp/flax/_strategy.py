@@ -244,9 +244,11 @@ class Strategy:
         """Choose a strategy for ``model`` / ``optimizer`` / ``loss_fn`` on ``placement``'s
         devices: the cheapest (estimated step time: collectives + compute) whose predicted peak
         bytes per device fit ``memory_budget`` (bytes, or a string such as ``"64MiB"``; ``None``:
-        no limit). Candidates: every ``dp × tp`` grid of the devices, tensor parallelism over the
-        model's logical axis names (or its largest weights' dims), ZeRO 0-3 over ``dp``; see
-        ``jsbp.flax._auto``. ``batch`` is one host batch (shapes only are read). The returned
+        no limit). Candidates: every ``dp × tp`` grid of the devices; tensor parallelism over the
+        model's logical axis names (or its largest weights' dims), expert parallelism among them;
+        sequence and context parallelism over the names of ``constrain``-ed activations (a
+        sequence dim); names split over ``dp`` beside the batch (experts); ZeRO 0-3 over ``dp``;
+        see ``jsbp.flax._auto``. ``batch`` is one host batch (shapes only are read). The returned
         strategy's ``report`` lists every candidate with its estimate; its placement is a
         ``dp`` / ``tp`` grid of the same devices.
 
@@ -623,6 +625,9 @@ def constrain(x, names: Sequence[str | None] | None = None, *, sbp=None, grad_sb
 
     Under ``constrain_with(fn)`` every call is ``fn(x, names, sbp=sbp, grad_sbp=grad_sbp)`` instead.
     """
+    seen = getattr(_state, "names_seen", None)
+    if seen is not None and names is not None:
+        seen.add(tuple(names))
     replaced = getattr(_state, "constrain_with", None)
     if replaced is not None:
         return replaced(x, names, sbp=sbp, grad_sbp=grad_sbp)
@@ -648,6 +653,18 @@ def constrain(x, names: Sequence[str | None] | None = None, *, sbp=None, grad_sb
         nd = normalise_nd(sbp, shape, strategy.placement, op="constrain")
     g = nd if isinstance(grad_sbp, str) and grad_sbp == "same" else grad_sbp
     return to_global(x, sbp=nd, grad_sbp=g)
+
+
+@contextlib.contextmanager
+def recording_names(seen: set):
+    """Inside, the logical names of every ``constrain`` call are added to ``seen`` (tuples, one
+    per call): the activation names ``Strategy.auto`` may map to an axis. Per thread."""
+    prev = getattr(_state, "names_seen", None)
+    _state.names_seen = seen
+    try:
+        yield seen
+    finally:
+        _state.names_seen = prev
 
 
 @contextlib.contextmanager
