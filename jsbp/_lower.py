@@ -4,10 +4,10 @@
 node's equation with the layouts of its candidate and the boxings of its operands, a conversion
 of one value to one layout made once (later readers reuse it, or convert from it where that is
 cheaper than from the value as made), calls as nested programs over their inlined jaxprs, and the
-outputs converted to the layouts asked of them. ``plan`` is the whole path: the jaxpr's dead code
-dropped, the problem built, solved and lowered, reductions moved ahead of transposes, small
-collectives combined, and a ``NoRuleWarning`` per primitive that ran replicated for want of a
-rule.
+outputs converted to the layouts asked of them. ``plan`` is the whole path: the jaxpr's common
+subexpressions merged (``_cse``) and its dead code dropped, the problem built, solved and
+lowered, reductions moved ahead of transposes, small collectives combined, and a
+``NoRuleWarning`` per primitive that ran replicated for want of a rule.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ._boxing import COLLECTIVE_LATENCY_BYTES
 from ._boxing import plan as box_plan
 from ._combine import combine_collectives
 from ._cost import itemsize
+from ._cse import cse
 from ._errors import NoRuleWarning
 from ._layout import layout_of
 from ._problem import Problem, build, fresh_vars, legal_signatures
@@ -263,7 +264,7 @@ def _local_program(placement, jaxpr, consts, in_layouts, out_nds, strict) -> Pro
 
 def plan(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = False) -> Program:
     """The planned program of ``jaxpr`` (see the module doc)."""
-    jaxpr = _dce(jaxpr)
+    jaxpr = _dce(cse(jaxpr))
     local = _local_cost(placement, strict)
     prob = build(placement, jaxpr, consts, in_layouts, out_nd, strict=strict, local=local)
     prog = lower(prob, solve(prob), jaxpr, consts, in_layouts, out_nd, strict)

@@ -756,6 +756,57 @@ def test_a_value_gathered_once_is_sliced_not_converted_again(m):
     assert all(not b.collectives for b in dot.boxings), str(plan)
 
 
+_TANH_S1 = jax.jit(lambda x: jsbp.to_global(jnp.tanh(x), sbp="S(1)"))
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["inline", "jitted-helper"])
+def test_a_value_computed_twice_is_converted_once(nested):
+    """The same value computed twice (the same ops on the same operands; inline, or two calls of
+    one jitted helper) and converted twice to one layout: XLA would merge the copies and their
+    collectives after planning, so jsbp merges them before (``_cse``), and ``explain`` lists the
+    one all-to-all the compiled program runs."""
+
+    def s1(x):
+        return _TANH_S1(x) if nested else jsbp.to_global(jnp.tanh(x), sbp="S(1)")
+
+    def f(x):
+        a = jsbp.to_global(s1(x), sbp="S(0)")
+        b = jsbp.to_global(s1(x), sbp="S(0)")
+        return a * 2.0 + b * jnp.float32(1) + (b * 1) * True
+
+    xv = rand(8, 16)
+    x = gt(xv, P4, "S(1)")
+    fn = jsbp.jit(f)
+    np.testing.assert_allclose(fn(x).numpy(), 4.0 * np.tanh(xv), rtol=1e-5, atol=1e-6)
+    counts = jsbp.debug.count_collectives(fn, x)
+    assert counts == {**dict.fromkeys(counts, 0), "all-to-all": 1}
+    assert jsbp.explain(fn, x).collectives() == counts
+
+
+def test_cse_keeps_what_differs():
+    """Equations that differ in a literal's value or dtype, a parameter, or an operand stay
+    apart; effects are never merged."""
+    from jax.extend import core as jcore
+
+    from jsbp._cse import cse
+
+    def f(x):
+        jax.debug.callback(lambda: None)
+        jax.debug.callback(lambda: None)
+        return (x * 2.0, x * 2.0, x * 3.0, x.sum(0), x.sum(1), x.astype(jnp.int32), jnp.sin(x))
+
+    closed = jax.make_jaxpr(f)(np.ones((3, 4), np.float32))
+    out = cse(closed.jaxpr)
+    prims = [e.primitive.name for e in out.eqns]
+    assert prims.count("mul") == 2 and prims.count("reduce_sum") == 2, prims
+    assert prims.count("debug_callback") == 2, prims
+    assert out.outvars[0] is out.outvars[1] and out.outvars[0] is not out.outvars[2]
+    got = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(out, closed.consts))(np.arange(12.0).reshape(3, 4))
+    want = f(np.arange(12.0, dtype=np.float32).reshape(3, 4))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_a_conversion_two_consumers_need_is_chosen_by_the_first():
     """``x`` (S(1)) feeds an elementwise op and then a matmul that needs it replicated. Alone, the
     elementwise op would run on the split; knowing the matmul gathers ``x`` anyway, inference runs
