@@ -70,8 +70,9 @@ MAX_LEAF_CHOICES = 8
 
 ZERO_SLACK = 1.5
 """Without a memory budget, ZeRO stages are planned only on grids whose best ZeRO-0 step is
-estimated within this factor of the best candidate's (in ``benchmarks/auto.py`` the best ZeRO stage saved at
-most ~20 % of a ZeRO-0 step: its collectives are combined, the gradient all-reduces are not)."""
+estimated within this factor of the best candidate's (in ``benchmarks/auto.py`` the best ZeRO
+stage saved at most ~20 % of a ZeRO-0 step: its collectives are combined, the gradient
+all-reduces are not)."""
 
 EXHAUSTIVE_OPTIONS = 5
 """Up to this many tensor-parallel options (names), every legal subset is planned; above, a
