@@ -176,7 +176,6 @@ def _best(src, dst, ndim, hierarchy, total, frontier=None):
     return best
 
 
-@functools.lru_cache(maxsize=1 << 18)
 def conversion_cost(
     src: tuple,
     dst: tuple,
@@ -191,17 +190,44 @@ def conversion_cost(
     zero-fill, a combined collective member's copies in and out), a local move's fixed charge
     and addends charge (``move_cost``, ``_addends_cost``: a zero-fill S -> P is free by its bytes
     but makes addends a later collective must reduce). A tensor without elements costs nothing."""
-    if src == dst or math.prod(shape) == 0:
+    n = math.prod(shape)
+    if src == dst or n == 0:
         return 0.0
-    total = float(math.prod(shape) * itemsize)
-    _, path = _best(src, dst, len(shape), hierarchy, total)
-    state, cost = list(src), 0.0
-    for mv in path:
-        cost += (mv.bytes_per_device + _addends_cost(tuple(state), mv, hierarchy)) * total
-        cost += op_bytes + (latency_bytes if mv.collective else move_cost(mv) - mv.bytes_per_device)
-        for a in mv.axes:
-            state[a] = mv.dst
+    return _conversion_cost(
+        src, dst, len(shape), float(n * itemsize), hierarchy, latency_bytes, op_bytes
+    )
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _conversion_cost(src, dst, ndim, total, hierarchy, latency_bytes, op_bytes) -> float:
+    """``conversion_cost`` of a tensor of rank ``ndim`` and ``total`` bytes (all it depends on)."""
+    best = None
+    for (a, b), terms in _conversion_terms(src, dst, ndim, hierarchy, latency_bytes, op_bytes):
+        c = a * total + b
+        if best is None or c < best[0] - 1e-9:
+            best = (c, terms)
+    cost = 0.0
+    for per_byte, fixed in best[1]:
+        cost += per_byte * total
+        cost += fixed
     return cost
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _conversion_terms(src, dst, ndim, hierarchy, latency_bytes, op_bytes):
+    """``_frontier``'s paths, each with its moves' charges for ``conversion_cost``: per move (per
+    byte of the tensor, fixed)."""
+    out = []
+    for ab, path in _frontier(src, dst, ndim, hierarchy):
+        state, terms = list(src), []
+        for mv in path:
+            per_byte = mv.bytes_per_device + _addends_cost(tuple(state), mv, hierarchy)
+            fixed = latency_bytes if mv.collective else move_cost(mv) - mv.bytes_per_device
+            terms.append((per_byte, op_bytes + fixed))
+            for a in mv.axes:
+                state[a] = mv.dst
+        out.append((ab, tuple(terms)))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -12,6 +12,7 @@ lowered, reductions moved ahead of transposes, small collectives combined, and a
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 from jax.extend import core as jcore
@@ -263,11 +264,18 @@ def _local_program(placement, jaxpr, consts, in_layouts, out_nds, strict) -> Pro
 
 
 def plan(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = False) -> Program:
-    """The planned program of ``jaxpr`` (see the module doc)."""
-    jaxpr = _dce(cse(jaxpr))
-    local = _local_cost(placement, strict)
-    prob = build(placement, jaxpr, consts, in_layouts, out_nd, strict=strict, local=local)
-    prog = lower(prob, solve(prob), jaxpr, consts, in_layouts, out_nd, strict)
+    """The planned program of ``jaxpr`` (see the module doc). The cyclic garbage collector waits
+    meanwhile: planning makes many small objects, which it would scan again and again."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        jaxpr = _dce(cse(jaxpr))
+        local = _local_cost(placement, strict)
+        prob = build(placement, jaxpr, consts, in_layouts, out_nd, strict=strict, local=local)
+        prog = lower(prob, solve(prob), jaxpr, consts, in_layouts, out_nd, strict)
+    finally:
+        if enabled:
+            gc.enable()
     _reduce_before_transposes(prog)
     combine_collectives(prog)
     _warn_replicated(prog, placement)

@@ -207,14 +207,13 @@ class Problem:
         hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
         cost = conversion_cost(src, dst, val.shape, hier, size, latency, self.model.op_bytes)
         if val.deferrable:
-            parts = None if self.joined is None else dict(self.joined)
             for k in combined_collective(src, dst, val.shape, hier, size):
                 if share is not None:
                     part = share
-                elif parts is None:
+                elif self.joined is None:
                     part = self.share
                 else:
-                    part = parts.get(k, 1.0)
+                    part = dict(self.joined).get(k, 1.0)
                 cost -= latency * (1.0 - part)
         return val.times * cost
 

@@ -366,13 +366,13 @@ class _Tables:
                 entry[1] = grown
             table = entry[1]
             block = table[rows[:, None], cols]
-            if np.isnan(block).any():
+            miss = np.nonzero(np.isnan(block))
+            if len(miss[0]):
                 nds = list(lays)
                 proto = dataclasses.replace(entry[2], times=1.0)  # (the same shape and share)
-                for a in np.unique(rows):
-                    for b in np.unique(cols):
-                        if np.isnan(table[a, b]):
-                            table[a, b] = self.prob.conversion(proto, nds[a], nds[b], share)
+                conversion = self.prob.conversion
+                for a, b in set(zip(rows[miss[0]].tolist(), cols[miss[1]].tolist())):
+                    table[a, b] = conversion(proto, nds[a], nds[b], share)
                 block = table[rows[:, None], cols]
             return block * times
 
@@ -539,11 +539,20 @@ def _core_exact(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dic
     return {u: int(np.argmax(res.x[base[u] : base[u] + len(unary[u])])) for u in core}
 
 
+def _classes(m: np.ndarray):
+    """The distinct rows of ``m`` (equal bytes): per row its class, and a row of each class."""
+    rows = np.ascontiguousarray(m).view(np.dtype((np.void, m.dtype.itemsize * m.shape[1])))
+    _, first, cls = np.unique(rows[:, 0], return_index=True, return_inverse=True)
+    return cls, first
+
+
 def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.5) -> dict:
     """A candidate per node of ``core`` (the pairwise model left after elimination): min-sum
     belief propagation (damped), the cheapest round's decoding polished by ``_icm``. The messages
-    live in one array, those into a node in its neighbours' order; the edges of one shape are
-    updated together; the rounds stop early once a round leaves every message as it was."""
+    live in one array, those into a node in its neighbours' order. A message is computed on its
+    edge's distinct rows and columns (equal rows: the least of their senders' beliefs; equal
+    columns: the same message entry), the edges of one such shape together; the rounds stop early
+    once a round leaves every message as it was."""
     if not core:
         return {}
     size = np.array([len(unary[u]) for u in core])
@@ -556,47 +565,74 @@ def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.
             tgt.append(off[u] + np.arange(len(unary[u])))
             pos += len(unary[u])
     tgt = np.concatenate(tgt) if tgt else np.zeros(0, np.intp)
-    buckets: dict = {}  # (cu, cw) -> directed edges u -> w with matrices of that shape
+    # per directed edge a -> b, on its matrix's distinct rows and columns (``red``): the senders'
+    # beliefs less the returning message (``h_src``, ``h_rev``), their least per class of equal
+    # rows (``h_cls``), and the reduced column each entry of the message is (``expand``)
+    h_src, h_rev, h_cls, expand, buckets = [], [], [], np.zeros(pos, np.intp), {}
+    n_cls = n_red = 0
+    ups: dict = {}  # (cu, cw) -> the edges u < w of that shape, for the energy
+    index = {u: i for i, u in enumerate(core)}
     for u in core:
         for w, m in adj[u].items():
-            buckets.setdefault(m.shape, []).append((u, w, m))
+            ups.setdefault(m.shape, [])
+            if u > w:
+                continue
+            ups[m.shape].append((m, index[u], index[w]))
+            rc, rfirst = _classes(m)
+            cc, cfirst = _classes(m.T)
+            red = m[rfirst][:, cfirst]
+            for a, b, a_cls, b_cls, mat in ((u, w, rc, cc, red), (w, u, cc, rc, red.T)):
+                h_src.append(off[a] + np.arange(len(unary[a])))
+                h_rev.append(moff[(b, a)] + np.arange(len(unary[a])))
+                h_cls.append(n_cls + a_cls)
+                expand[moff[(a, b)] : moff[(a, b)] + len(unary[b])] = n_red + b_cls
+                low = n_cls + np.arange(mat.shape[0])
+                buckets.setdefault(mat.shape, []).append((mat, low, n_red))
+                n_cls += mat.shape[0]
+                n_red += mat.shape[1]
+    h_src, h_rev, h_cls = (
+        np.concatenate(x) if x else np.zeros(0, np.intp) for x in (h_src, h_rev, h_cls)
+    )
+    order = np.argsort(h_cls, kind="stable")
+    starts = np.flatnonzero(np.diff(h_cls[order], prepend=-1))
     plan = []
-    for (cu, cw), edges in buckets.items():
-        mats = np.stack([m for _, _, m in edges])
-        src = np.array([off[u] for u, _, _ in edges])[:, None] + np.arange(cu)
-        rev = np.array([moff[(w, u)] for u, w, _ in edges])[:, None] + np.arange(cu)
-        dst = np.array([moff[(u, w)] for u, w, _ in edges])[:, None] + np.arange(cw)
-        plan.append((mats, src, rev, dst, edges, np.empty_like(mats)))
-    index = {u: i for i, u in enumerate(core)}
+    for (_, cw), edges in buckets.items():
+        mats = np.stack([m for m, _, _ in edges])
+        low = np.stack([g for _, g, _ in edges])
+        dst = np.array([o for _, _, o in edges])[:, None] + np.arange(cw)
+        plan.append((mats, low, dst, np.empty_like(mats)))
     rows = np.repeat(np.arange(len(core)), size)
     cols = np.arange(len(flat_unary)) - np.repeat(np.array([off[u] for u in core]), size)
     padded = np.full((len(core), int(size.max())), np.inf)
     ups = [
         (
-            mats[[i for i, (u, w, _) in enumerate(edges) if u < w]],
-            np.array([index[u] for u, w, _ in edges if u < w], dtype=np.intp),
-            np.array([index[w] for u, w, _ in edges if u < w], dtype=np.intp),
+            np.stack([m for m, _, _ in es]),
+            np.array([a for _, a, _ in es], dtype=np.intp),
+            np.array([b for _, _, b in es], dtype=np.intp),
         )
-        for mats, _, _, _, edges, _ in plan
+        for es in ups.values()
+        if es
     ]
-    starts = np.array([off[u] for u in core])
+    starts_u = np.array([off[u] for u in core])
     msgs = np.zeros(pos)
+    red = np.empty(n_red)
     best, best_e = None, np.inf
     for _ in range(rounds):
         belief = flat_unary + np.bincount(tgt, weights=msgs, minlength=len(flat_unary))
         padded[rows, cols] = belief
         pick = padded.argmin(1)
-        e = float(flat_unary[starts + pick].sum())
+        e = float(flat_unary[starts_u + pick].sum())
         for mats, a, b in ups:
-            if len(a):
-                e += float(mats[np.arange(len(a)), pick[a], pick[b]].sum())
+            e += float(mats[np.arange(len(a)), pick[a], pick[b]].sum())
         if e < best_e - 1e-9:
             best, best_e = dict(zip(core, pick.tolist())), e
-        new = np.empty_like(msgs)
-        for mats, src, rev, dst, _, buf in plan:
-            msg = np.add(mats, (belief[src] - msgs[rev])[:, :, None], out=buf).min(1)
+        h = (belief[h_src] - msgs[h_rev])[order]
+        low = np.minimum.reduceat(h, starts) if len(h) else h
+        for mats, g, dst, buf in plan:
+            msg = np.add(mats, low[g][:, :, None], out=buf).min(1)
             msg -= msg.min(1, keepdims=True)
-            new[dst] = damping * msgs[dst] + (1.0 - damping) * msg
+            red[dst] = msg
+        new = damping * msgs + (1.0 - damping) * red[expand]
         if np.array_equal(new, msgs):
             break
         msgs = new
