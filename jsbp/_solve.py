@@ -149,10 +149,14 @@ def _joins(prob: Problem, u: int, val):
         if src is None and not mine:
             return [groups(prob.layout(val, choice), fixed)] * len(n.cands)
         s = prob.layout(val, choice) if src is None else None
-        return [
-            groups(s if src is None else src[c], fixed.union(r[c] for r in mine))
-            for c in range(len(n.cands))
-        ]
+        out, memo = [], {}  # (layout made, layouts u reads): its groups (candidates share them)
+        for c in range(len(n.cands)):
+            key = (s if src is None else src[c], *(r[c] for r in mine))
+            hit = memo.get(key)
+            if hit is None:
+                hit = memo[key] = groups(key[0], fixed.union(key[1:]))
+            out.append(hit)
+        return out
 
     return joins
 
