@@ -233,13 +233,14 @@ class Problem:
         src = self.layout(val, choice)
         return sum(self.conversion(val, src, t, share) for t in self.wanted(val, choice))
 
-    def groups(self, val: Value, choice) -> set:
-        """The combined collectives a deferrable ``val``'s conversions join: (kind, axes)."""
+    def groups(self, val: Value, choice, wanted=None) -> set:
+        """The combined collectives a deferrable ``val``'s conversions join: (kind, axes); to
+        ``wanted`` (default: the layouts ``wanted`` gives)."""
         src = self.layout(val, choice)
         hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
         return {
             g
-            for t in self.wanted(val, choice)
+            for t in (self.wanted(val, choice) if wanted is None else wanted)
             for g in combined_collective(src, t, val.shape, hier, size)
         }
 

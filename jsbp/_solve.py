@@ -46,13 +46,24 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
     deferrable conversions join), until a sweep changes nothing. A node's candidates are priced
     at once from the conversion tables (``_moves``); a node is priced again only once a node it
     shares a value with has moved (or, touching a deferrable value, once the combined collectives
-    have changed): until then its best move is the one it had."""
+    have changed): until then its best move is the one it had. The layouts each value's readers
+    ask are counted as the nodes move (``asked``), so that pricing a node reads those counts, not
+    every other reader of a value read by many."""
     choice = list(choice)
     latency = prob.model.latency_bytes
+    nodes = prob.nodes
+    asked = {  # id(value) -> layout -> how many of its readers ask it under ``choice``
+        id(v): Counter(nodes[w].cands[choice[w]][0][i] for w, i in v.uses) for v in prob.values
+    }
+
+    def joined(v):  # ``Problem.groups`` from the counts
+        wanted = {t for t, k in asked[id(v)].items() if k > 0}.union(v.wants)
+        return prob.groups(v, choice, wanted)
+
     groups = Counter()  # combined collective -> deferrable values joining it
     for v in prob.values:
         if v.deferrable:
-            groups.update(prob.groups(v, choice))
+            groups.update(joined(v))
     moves, late_nodes = _moves(prob)
     dirty = [len(n.cands) > 1 for n in prob.nodes]
     for _ in range(sweeps):
@@ -63,12 +74,12 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
             dirty[u] = False
             near, priced, late, late_vals = moves[u]
             cur = choice[u]
-            cost = n.compute + sum(price(choice) for price in priced)
+            cost = n.compute + sum(price(choice, asked) for price in priced)
             if late:
-                before = [prob.groups(v, choice) for v in late_vals]
+                before = [joined(v) for v in late_vals]
                 for g in before:  # the groups without the touched values
                     groups.subtract(g)
-                each = [joins(choice) for joins in late]
+                each = [joins(choice, asked) for joins in late]
                 cost = cost + [
                     latency * sum(1 for g in set().union(*per) if groups[g] <= 0)
                     for per in zip(*each)
@@ -79,13 +90,18 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
                     if c != cur and cost[c] < best - 1e-6:
                         best, best_c = cost[c], c
             choice[u] = best_c
+            if best_c != cur:
+                for i, v in enumerate(n.operands):
+                    if v is not None:
+                        asked[id(v)][n.cands[cur][0][i]] -= 1
+                        asked[id(v)][n.cands[best_c][0][i]] += 1
             if late:
-                after = [prob.groups(v, choice) for v in late_vals]
+                after = [joined(v) for v in late_vals]
                 for g in after:
                     groups.update(g)
                 if after != before:
                     for w in late_nodes:
-                        if w != u and len(prob.nodes[w].cands) > 1:
+                        if w != u and len(nodes[w].cands) > 1:
                             dirty[w] = True
             if best_c != cur:
                 changed = True
@@ -127,6 +143,18 @@ def _moves(prob: Problem):
     return hit
 
 
+def _others(n, u: int, val):
+    """A function of the assignment and ``local_search``'s counts: the layouts the readers of
+    ``val`` other than node ``u`` (``n``) ask."""
+    own = [i for w, i in val.uses if w == u]
+
+    def others(choice, asked):
+        mine = Counter(n.cands[choice[u]][0][i] for i in own)
+        return [t for t, k in asked[id(val)].items() if k > mine[t]]
+
+    return others
+
+
 def _joins(prob: Problem, u: int, val):
     """A function of the assignment: the combined collectives (``Problem.groups``) a deferrable
     ``val`` joins, per candidate of node ``u``, the other nodes as assigned."""
@@ -137,15 +165,13 @@ def _joins(prob: Problem, u: int, val):
     if val.producer is not None and val.producer[0] == u:
         src = [outs[val.producer[1]] for _, outs in n.cands]
     mine = [[ins[i] for ins, _ in n.cands] for i in dict.fromkeys(i for w, i in val.uses if w == u)]
-    others = [(nodes[w].cands, i, w) for w, i in val.uses if w != u]
+    others = _others(n, u, val)
 
     def groups(s, wanted):
         return {g for t in wanted for g in combined_collective(s, t, val.shape, hier, size)}
 
-    def joins(choice):
-        fixed = set(val.wants)
-        for cands, i, w in others:
-            fixed.add(cands[choice[w]][0][i])
+    def joins(choice, asked):
+        fixed = set(val.wants).union(others(choice, asked))
         if src is None and not mine:
             return [groups(prob.layout(val, choice), fixed)] * len(n.cands)
         s = prob.layout(val, choice) if src is None else None
@@ -177,13 +203,13 @@ def _pricer(prob: Problem, tables, u: int, val):
     mine = [
         tables.columns(val, n.cands, 0, i) for i in dict.fromkeys(i for w, i in val.uses if w == u)
     ]
-    others = [(nodes[w].cands, i, w) for w, i in val.uses if w != u]
+    others = _others(n, u, val)
     wants = {index(nd) for nd in val.wants}
 
-    def price(choice):
+    def price(choice, asked):
         fixed = set(wants)
-        for cands, i, w in others:
-            fixed.add(index(cands[choice[w]][0][i]))
+        for t in others(choice, asked):
+            fixed.add(index(t))
         s = src if src is not None else idx([prob.layout(val, choice)])
         cols = np.fromiter(fixed, np.intp, len(fixed))
         cost = sub(s, cols).sum(1)
@@ -550,13 +576,16 @@ def _classes(m: np.ndarray):
     return cls, first
 
 
-def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.5) -> dict:
+def _min_sum(
+    core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.5, memo=None
+) -> dict:
     """A candidate per node of ``core`` (the pairwise model left after elimination): min-sum
     belief propagation (damped), the cheapest round's decoding polished by ``_icm``. The messages
     live in one array, those into a node in its neighbours' order. A message is computed on its
     edge's distinct rows and columns (equal rows: the least of their senders' beliefs; equal
     columns: the same message entry), the edges of one such shape together; the rounds stop early
-    once a round leaves every message as it was."""
+    once a round leaves every message as it was. ``memo``: id(matrix) -> its classes, kept
+    between calls (``solve``'s runs share most of the core's matrices)."""
     if not core:
         return {}
     size = np.array([len(unary[u]) for u in core])
@@ -582,9 +611,13 @@ def _min_sum(core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.
             if u > w:
                 continue
             ups[m.shape].append((m, index[u], index[w]))
-            rc, rfirst = _classes(m)
-            cc, cfirst = _classes(m.T)
-            red = m[rfirst][:, cfirst]
+            hit = memo.get(id(m)) if memo is not None else None
+            if hit is None or hit[0] is not m:
+                (rc, rfirst), (cc, cfirst) = _classes(m), _classes(m.T)
+                hit = (m, rc, cc, m[rfirst][:, cfirst])
+                if memo is not None:
+                    memo[id(m)] = hit
+            _, rc, cc, red = hit
             for a, b, a_cls, b_cls, mat in ((u, w, rc, cc, red), (w, u, cc, rc, red.T)):
                 h_src.append(off[a] + np.arange(len(unary[a])))
                 h_rev.append(moff[(b, a)] + np.arange(len(unary[a])))
@@ -734,7 +767,9 @@ def eliminate(prob: Problem) -> list[int]:
 
     def solve_core():
         got = _core_exact(core, unary, adj)
-        return _min_sum(core, unary, adj) if got is None else got
+        if got is not None:
+            return got
+        return _min_sum(core, unary, adj, memo=prob.cache.setdefault("classes", {}))
 
     got = made(tuple(core), inputs, solve_core)
     for u, c in got.items():
