@@ -201,15 +201,10 @@ def conversion_cost(
 @functools.lru_cache(maxsize=1 << 18)
 def _conversion_cost(src, dst, ndim, total, hierarchy, latency_bytes, op_bytes) -> float:
     """``conversion_cost`` of a tensor of rank ``ndim`` and ``total`` bytes (all it depends on)."""
-    best = None
-    for (a, b), terms in _conversion_terms(src, dst, ndim, hierarchy, latency_bytes, op_bytes):
-        c = a * total + b
-        if best is None or c < best[0] - 1e-9:
-            best = (c, terms)
+    terms = lambda *k: _conversion_terms(*k, latency_bytes, op_bytes)
     cost = 0.0
-    for per_byte, fixed in best[1]:
-        cost += per_byte * total
-        cost += fixed
+    for per_byte, fixed in _best(src, dst, ndim, hierarchy, total, terms)[1]:
+        cost = cost + per_byte * total + fixed
     return cost
 
 

@@ -91,6 +91,9 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
                         best, best_c = cost[c], c
             choice[u] = best_c
             if best_c != cur:
+                changed = True
+                for w in near:
+                    dirty[w] = True
                 for i, v in enumerate(n.operands):
                     if v is not None:
                         asked[id(v)][n.cands[cur][0][i]] -= 1
@@ -103,10 +106,6 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
                     for w in late_nodes:
                         if w != u and len(nodes[w].cands) > 1:
                             dirty[w] = True
-            if best_c != cur:
-                changed = True
-                for w in near:
-                    dirty[w] = True
         if not changed:
             break
     return choice
@@ -158,8 +157,7 @@ def _others(n, u: int, val):
 def _joins(prob: Problem, u: int, val):
     """A function of the assignment: the combined collectives (``Problem.groups``) a deferrable
     ``val`` joins, per candidate of node ``u``, the other nodes as assigned."""
-    nodes = prob.nodes
-    n = nodes[u]
+    n = prob.nodes[u]
     hier, size = prob.placement.hierarchy, itemsize(val.aval.dtype)
     src = None
     if val.producer is not None and val.producer[0] == u:
@@ -191,8 +189,7 @@ def _pricer(prob: Problem, tables, u: int, val):
     """A function of the assignment: ``val``'s conversions (``Problem.value_cost``, a deferrable
     value's latency not charged) per candidate of node ``u``, the other nodes as assigned."""
     index, sub = tables.of(val, share=0.0)
-    nodes = prob.nodes
-    n = nodes[u]
+    n = prob.nodes[u]
 
     def idx(nds):
         return np.array([index(nd) for nd in nds], dtype=np.intp)
