@@ -602,13 +602,18 @@ def active_strategy() -> Strategy | None:
 
 
 @contextlib.contextmanager
-def activate(strategy: Strategy | None):
-    prev = getattr(_state, "strategy", None)
-    _state.strategy = strategy
+def _bound(name: str, value):
+    """Inside, this thread's ``_state.<name>`` is ``value``; nests."""
+    prev = getattr(_state, name, None)
+    setattr(_state, name, value)
     try:
-        yield strategy
+        yield value
     finally:
-        _state.strategy = prev
+        setattr(_state, name, prev)
+
+
+def activate(strategy: Strategy | None):
+    return _bound("strategy", strategy)
 
 
 def constrain(x, names: Sequence[str | None] | None = None, *, sbp=None, grad_sbp="same"):
@@ -655,30 +660,18 @@ def constrain(x, names: Sequence[str | None] | None = None, *, sbp=None, grad_sb
     return to_global(x, sbp=nd, grad_sbp=g)
 
 
-@contextlib.contextmanager
 def recording_names(seen: set):
     """Inside, the logical names of every ``constrain`` call are added to ``seen`` (tuples, one
     per call): the activation names ``Strategy.auto`` may map to an axis. Per thread."""
-    prev = getattr(_state, "names_seen", None)
-    _state.names_seen = seen
-    try:
-        yield seen
-    finally:
-        _state.names_seen = prev
+    return _bound("names_seen", seen)
 
 
-@contextlib.contextmanager
 def constrain_with(fn):
     """Inside, every ``constrain(x, names, sbp=, grad_sbp=)`` call (the model's, the losses') is
     ``fn(x, names, sbp=sbp, grad_sbp=grad_sbp)``: run a model written with ``constrain`` under
     another partitioner, e.g. pinning each activation with ``jax.lax.with_sharding_constraint``
     for GSPMD (``benchmarks/models.py``'s baselines). Per thread; nests."""
-    prev = getattr(_state, "constrain_with", None)
-    _state.constrain_with = fn
-    try:
-        yield fn
-    finally:
-        _state.constrain_with = prev
+    return _bound("constrain_with", fn)
 
 
 @contextlib.contextmanager

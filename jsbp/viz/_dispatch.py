@@ -30,7 +30,7 @@ from .._errors import SbpError
 from .._layout import balanced, offsets
 from ._html import frame
 from ._model import device_color, fmt_bytes
-from ._svg import FONT, esc
+from ._svg import FONT, STROKE, esc, svg_text
 
 __all__ = ["ExpertDispatch", "expert_dispatch", "expert_dispatch_html", "expert_dispatch_text"]
 
@@ -370,16 +370,6 @@ def expert_dispatch_text(
 
 _CW, _CH, _TOP, _RIGHT = 78, 34, 44, 70
 _BAR = 40  # height of the per-expert bars under the grid
-_STROKE = 'stroke="currentColor" stroke-opacity="0.55"'
-
-
-def _t(x, y, s, *, anchor="start", opacity=None, weight=None, size=11) -> str:
-    extra = f' fill-opacity="{opacity}"' if opacity is not None else ""
-    extra += f' font-weight="{weight}"' if weight else ""
-    return (
-        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
-        f'fill="currentColor"{extra}>{esc(s)}</text>'
-    )
 
 
 def _dispatch_svg(d: ExpertDispatch, bpt) -> str:
@@ -404,21 +394,23 @@ def _dispatch_svg(d: ExpertDispatch, bpt) -> str:
     out = [
         f'<svg class="jsbp-dispatch" xmlns="http://www.w3.org/2000/svg" width="{width}" '
         f'height="{height}" font-family="{esc(FONT)}" role="img">',
-        _t(4, 14, "source ↓ / dest →", opacity=0.7, size=10),
+        svg_text(4, 14, "source ↓ / dest →", opacity=0.7, size=10),
     ]
     for j in range(n):
         out.append(
             f'<g class="jsbp-dispatch-dest" data-device="{j}" '
             f'data-experts="{",".join(map(str, d.experts_of(j)))}">'
-            + _t(cx(j) + _CW / 2, 14, f"d{j}", anchor="middle", weight=600)
-            + _t(cx(j) + _CW / 2, 30, _experts_words(d, j), anchor="middle", opacity=0.8, size=10)
+            + svg_text(cx(j) + _CW / 2, 14, f"d{j}", anchor="middle", weight=600)
+            + svg_text(
+                cx(j) + _CW / 2, 30, _experts_words(d, j), anchor="middle", opacity=0.8, size=10
+            )
             + "</g>"
         )
-    out.append(_t(cx(n) + 8, 30, "sent", weight=600))
+    out.append(svg_text(cx(n) + 8, 30, "sent", weight=600))
     for i in range(n):
         y = cy(i)
-        out.append(_t(4, y + 15, f"d{i}", weight=600))
-        out.append(_t(4, y + 28, f"tokens {_tokens_words(d, i)}", opacity=0.8, size=10))
+        out.append(svg_text(4, y + 15, f"d{i}", weight=600))
+        out.append(svg_text(4, y + 28, f"tokens {_tokens_words(d, i)}", opacity=0.8, size=10))
         for j in range(n):
             v = d.sent[i][j]
             diag = i == j
@@ -428,7 +420,7 @@ def _dispatch_svg(d: ExpertDispatch, bpt) -> str:
             )
             fill = device_color(j, round(0.06 + 0.6 * v / peak, 3)) if v else "none"
             stroke = (
-                'stroke="currentColor" stroke-opacity="0.9" stroke-width="2.5"' if diag else _STROKE
+                'stroke="currentColor" stroke-opacity="0.9" stroke-width="2.5"' if diag else STROKE
             )
             out.append(
                 f'<g class="jsbp-dispatch-cell{" jsbp-diagonal" if diag else ""}" '
@@ -436,7 +428,7 @@ def _dispatch_svg(d: ExpertDispatch, bpt) -> str:
                 f"<title>{esc(title)}</title>"
                 f'<rect x="{cx(j) + 1:.1f}" y="{y + 1:.1f}" width="{_CW - 2}" height="{_CH - 2}" '
                 f'fill="{fill}" {stroke}/>'
-                + _t(
+                + svg_text(
                     cx(j) + _CW / 2, y + _CH / 2 + 4, v, anchor="middle", weight=600 if v else None
                 )
                 + "</g>"
@@ -446,7 +438,7 @@ def _dispatch_svg(d: ExpertDispatch, bpt) -> str:
             f'<g class="jsbp-dispatch-sent" data-device="{i}" data-count="{s}">'
             f'<rect x="{cx(n) + 8:.1f}" y="{y + 20:.1f}" width="{(_RIGHT - 14) * s / top:.1f}" '
             f'height="8" fill="currentColor" fill-opacity="0.35"/>'
-            + _t(cx(n) + 8, y + 15, s)
+            + svg_text(cx(n) + 8, y + 15, s)
             + "</g>"
         )
     # per destination: pairs received, dropped, bytes in
@@ -463,16 +455,16 @@ def _dispatch_svg(d: ExpertDispatch, bpt) -> str:
         out.append(
             f'<g class="jsbp-dispatch-received" {attrs}>'
             + "".join(
-                _t(cx(j) + _CW / 2, grid_bottom + 14 + 16 * k, s, anchor="middle")
+                svg_text(cx(j) + _CW / 2, grid_bottom + 14 + 16 * k, s, anchor="middle")
                 for k, s in enumerate(lines)
             )
             + "</g>"
         )
     for k, word in enumerate(foot):
-        out.append(_t(4, grid_bottom + 14 + 16 * k, word, weight=600))
+        out.append(svg_text(4, grid_bottom + 14 + 16 * k, word, weight=600))
     # per expert: a bar each, under its device's column (the tallest: the busiest expert)
     busiest = max(d.received_per_expert + (1,))
-    out.append(_t(4, bars_top + _BAR / 2 + 4, "per expert", weight=600))
+    out.append(svg_text(4, bars_top + _BAR / 2 + 4, "per expert", weight=600))
     for j in range(n):
         experts = d.experts_of(j)
         if not experts:
@@ -492,8 +484,8 @@ def _dispatch_svg(d: ExpertDispatch, bpt) -> str:
                 f'<rect x="{bx + 1:.1f}" y="{bars_top + _BAR - h:.1f}" width="{max(w - 2, 1):.1f}" '
                 f'height="{h:.1f}" fill="{device_color(j, 0.55)}"/>'
                 + (  # the count above the bar, the expert under it, where they fit
-                    _t(bx + w / 2, bars_top + _BAR - h - 3, v, anchor="middle", size=9)
-                    + _t(bx + w / 2, bars_top + _BAR + 12, f"e{x}", anchor="middle", size=9)
+                    svg_text(bx + w / 2, bars_top + _BAR - h - 3, v, anchor="middle", size=9)
+                    + svg_text(bx + w / 2, bars_top + _BAR + 12, f"e{x}", anchor="middle", size=9)
                     if w >= 14
                     else ""
                 )

@@ -28,7 +28,7 @@ import dataclasses
 
 from ._html import frame
 from ._model import device_color
-from ._svg import FONT, esc
+from ._svg import FONT, STROKE, esc, svg_text
 
 __all__ = ["RingCell", "RingSchedule", "ring_schedule", "ring_schedule_html", "ring_schedule_text"]
 
@@ -272,16 +272,6 @@ def ring_schedule_text(n: int, *, causal: bool = False, balance: bool = False) -
 # -------------------------------------------------------------------------------------------
 
 _CW, _CH, _GAP, _LEFT, _RIGHT, _TOP = 118, 52, 26, 96, 110, 30
-_STROKE = 'stroke="currentColor" stroke-opacity="0.55"'
-
-
-def _t(x, y, s, *, anchor="start", opacity=None, weight=None, size=11) -> str:
-    extra = f' fill-opacity="{opacity}"' if opacity is not None else ""
-    extra += f' font-weight="{weight}"' if weight else ""
-    return (
-        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
-        f'fill="currentColor"{extra}>{esc(s)}</text>'
-    )
 
 
 def _arrow(x0, y0, x1, y1) -> str:
@@ -292,7 +282,7 @@ def _arrow(x0, y0, x1, y1) -> str:
     bx, by = x1 - 6 * ux, y1 - 6 * uy
     px, py = -uy * 3, ux * 3
     return (
-        f'<line x1="{x0:.1f}" y1="{y0:.1f}" x2="{bx:.1f}" y2="{by:.1f}" {_STROKE}/>'
+        f'<line x1="{x0:.1f}" y1="{y0:.1f}" x2="{bx:.1f}" y2="{by:.1f}" {STROKE}/>'
         f'<polygon points="{x1:.1f},{y1:.1f} {bx + px:.1f},{by + py:.1f} {bx - px:.1f},{by - py:.1f}" '
         f'fill="currentColor" fill-opacity="0.55"/>'
     )
@@ -328,7 +318,7 @@ def _cell_svg(s: RingSchedule, c: RingCell, x: float, y: float) -> str:
         )
     dash = ' stroke-dasharray="4 3"' if c.work == "skip" else ""
     out.append(
-        f'<rect x="{x:.1f}" y="{y:.1f}" width="{w}" height="{h}" fill="none" {_STROKE}{dash}/>'
+        f'<rect x="{x:.1f}" y="{y:.1f}" width="{w}" height="{h}" fill="none" {STROKE}{dash}/>'
     )
     if c.diagonal:  # the causal mask inside the block
         out.append(
@@ -336,9 +326,11 @@ def _cell_svg(s: RingSchedule, c: RingCell, x: float, y: float) -> str:
             'stroke="currentColor" stroke-opacity="0.2"/>'
         )
     dim = 0.5 if c.work == "skip" else None
-    out.append(_t(x + 5, y + 14, f"K/V {c.source}", weight=600, opacity=dim))
-    out.append(_t(x + 5, y + 28, _chunks(s.holds[c.source]), opacity=dim))
-    out.append(_t(x + 5, y + 43, c.words(), opacity=0.5 if c.work == "skip" else 0.85, size=10))
+    out.append(svg_text(x + 5, y + 14, f"K/V {c.source}", weight=600, opacity=dim))
+    out.append(svg_text(x + 5, y + 28, _chunks(s.holds[c.source]), opacity=dim))
+    out.append(
+        svg_text(x + 5, y + 43, c.words(), opacity=0.5 if c.work == "skip" else 0.85, size=10)
+    )
     out.append("</g>")
     return "".join(out)
 
@@ -360,15 +352,17 @@ def _schedule_svg(s: RingSchedule) -> str:
         f'height="{height}" font-family="{esc(FONT)}" role="img">'
     ]
     for t in range(n):
-        out.append(_t(cx(t) + _CW / 2, 14, f"step {t}", anchor="middle", weight=600))
+        out.append(svg_text(cx(t) + _CW / 2, 14, f"step {t}", anchor="middle", weight=600))
         if t < n - 1:
-            out.append(_t(cx(t) + _CW + _GAP / 2, 14, "⇢", anchor="middle", opacity=0.7, size=13))
-    out.append(_t(cx(n - 1) + _CW + 12, 14, "blocks", weight=600))
+            out.append(
+                svg_text(cx(t) + _CW + _GAP / 2, 14, "⇢", anchor="middle", opacity=0.7, size=13)
+            )
+    out.append(svg_text(cx(n - 1) + _CW + 12, 14, "blocks", weight=600))
     work = s.work()
     for i in range(n):
         y = cy(i)
-        out.append(_t(4, y + 16, f"device {i}", weight=600))
-        out.append(_t(4, y + 31, f"holds {_chunks(s.holds[i])}", opacity=0.8, size=10))
+        out.append(svg_text(4, y + 16, f"device {i}", weight=600))
+        out.append(svg_text(4, y + 31, f"holds {_chunks(s.holds[i])}", opacity=0.8, size=10))
         for t in range(n):
             out.append(_cell_svg(s, s.cells[i][t], cx(t), y))
         # the per-device total, as a bar (the longest: n blocks)
@@ -378,7 +372,7 @@ def _schedule_svg(s: RingSchedule) -> str:
             f'<g class="jsbp-ring-work" data-device="{i}" data-blocks="{_fmt_blocks(work[i])}">'
             f'<rect x="{bx:.1f}" y="{y + 22:.1f}" width="{bw:.1f}" height="10" '
             f'fill="currentColor" fill-opacity="0.35"/>'
-            + _t(bx, y + 16, _fmt_blocks(work[i]))
+            + svg_text(bx, y + 16, _fmt_blocks(work[i]))
             + "</g>"
         )
     # the permutes: device i's block goes to device i+1 for the next step (the last wraps round)

@@ -25,7 +25,7 @@ _CH = 6.7  # approximate advance of one monospace character at _FS
 _LINE = 13
 _STACK = 5  # offset between stacked cards (px)
 _MAX_CARDS = 4
-_STROKE = 'stroke="currentColor" stroke-opacity="0.55"'
+STROKE = 'stroke="currentColor" stroke-opacity="0.55"'
 
 
 def esc(s) -> str:
@@ -63,7 +63,8 @@ def _tracks(sizes: list[int], total_px: float, min_px: float) -> list[float]:
     return [max(min_px, total_px * s / n) if n else min_px for s in sizes]
 
 
-def _text(x, y, s, *, anchor="start", opacity=None, weight=None, size=_FS) -> str:
+def svg_text(x, y, s, *, anchor="start", opacity=None, weight=None, size=_FS) -> str:
+    """An SVG ``<text>`` in the current colour (``opacity``, ``weight``: optional)."""
     extra = f' fill-opacity="{opacity}"' if opacity is not None else ""
     extra += f' font-weight="{weight}"' if weight else ""
     return (
@@ -131,14 +132,14 @@ def _tile_svg(grid: TileGrid, tile: Tile, x, y, w, h) -> str:
         fill = device_color(layers[m - 1 - k].devices[0])  # the front card is layer 0
         out.append(
             f'<polygon class="jsbp-card" points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in pts)}" '
-            f'fill="{fill}" {_STROKE}/>'
+            f'fill="{fill}" {STROKE}/>'
         )
     fx, fy = x, y + (m - 1) * o
     if not tile.empty:
         out.append(_card_fill(layers[0].devices if layers else (), fx, fy, cw, chh))
     out.append(
         f'<rect class="jsbp-card" x="{fx:.1f}" y="{fy:.1f}" width="{cw:.1f}" height="{chh:.1f}" '
-        f'fill="none" {_STROKE}{dash}/>'
+        f'fill="none" {STROKE}{dash}/>'
     )
     # labels: wrapped to the card, cut to its height (the <title> keeps the full text)
     wrapped = []
@@ -153,7 +154,7 @@ def _tile_svg(grid: TileGrid, tile: Tile, x, y, w, h) -> str:
             first, bold = wrapped[0]
             wrapped = [(first[: max(1, int((cw - 8) // _CH) - 1)] + "…", bold)]
     for i, (s, bold) in enumerate(wrapped):
-        out.append(_text(fx + 4, fy + 4 + _FS + i * _LINE, s, weight="600" if bold else None))
+        out.append(svg_text(fx + 4, fy + 4 + _FS + i * _LINE, s, weight="600" if bold else None))
     out.append("</g>")
     return "".join(out)
 
@@ -193,13 +194,13 @@ def tiles_svg(grid: TileGrid, *, side: float = 320) -> str:
     if cols:
         xs = [left] + [left + v for v in _cumsum(ws)]
         for (o, _), xv in zip(grid.col_cuts, xs):
-            out.append(_text(xv + 2, top - 4, o, opacity="0.7", size=9))
-        out.append(_text(xs[-1], top - 4, C, anchor="end", opacity="0.7", size=9))
+            out.append(svg_text(xv + 2, top - 4, o, opacity="0.7", size=9))
+        out.append(svg_text(xs[-1], top - 4, C, anchor="end", opacity="0.7", size=9))
     if rows:
         ys = [top] + [top + v for v in _cumsum(hs)]
         for (o, _), yv in zip(grid.row_cuts, ys):
-            out.append(_text(left - 4, yv + 9, o, anchor="end", opacity="0.7", size=9))
-        out.append(_text(left - 4, ys[-1], R, anchor="end", opacity="0.7", size=9))
+            out.append(svg_text(left - 4, yv + 9, o, anchor="end", opacity="0.7", size=9))
+        out.append(svg_text(left - 4, ys[-1], R, anchor="end", opacity="0.7", size=9))
     nc = len(ws)
     y = top
     for i, h in enumerate(hs):
@@ -256,12 +257,12 @@ def devices_svg(plc, info=None, axis_notes=None) -> str:
         f'viewBox="0 0 {width:.1f} {height:.1f}" font-family="{esc(FONT)}" role="img">'
     ]
     for k, t in enumerate(heads):
-        out.append(_text(left, _LINE * (k + 1), t, opacity="0.85"))
+        out.append(svg_text(left, _LINE * (k + 1), t, opacity="0.85"))
     y0 = top
     for oc in outer:
         if n > 2:
             label = ", ".join(f"{names[a]}={c}" for a, c in enumerate(oc))
-            out.append(_text(left, y0 + _LINE - 2, label, opacity="0.7", size=10))
+            out.append(svg_text(left, y0 + _LINE - 2, label, opacity="0.7", size=10))
             y0 += _LINE + 2
         for i in range(rows):
             for j in range(cols):
@@ -272,12 +273,14 @@ def devices_svg(plc, info=None, axis_notes=None) -> str:
                     f'<g class="jsbp-device" data-device="{r}" data-coord="{",".join(map(str, idx))}">'
                     f"<title>device {r} at {esc(', '.join(f'{names[a]}={c}' for a, c in enumerate(idx)))}</title>"
                     f'<rect x="{x + 1:.1f}" y="{y + 1:.1f}" width="{cw - 2:.1f}" height="{ch - 2:.1f}" rx="4" '
-                    f'fill="{device_color(r)}" {_STROKE}/>'
+                    f'fill="{device_color(r)}" {STROKE}/>'
                 )
-                out.append(_text(x + cw / 2, y + 4 + _FS, f"d{r}", anchor="middle", weight="600"))
+                out.append(
+                    svg_text(x + cw / 2, y + 4 + _FS, f"d{r}", anchor="middle", weight="600")
+                )
                 if info and r in info and info[r]:
                     out.append(
-                        _text(
+                        svg_text(
                             x + cw / 2,
                             y + 4 + _FS + _LINE,
                             info[r],
