@@ -51,17 +51,7 @@ def lower(
         that is cheaper than from ``src`` (an all-reduce, then a local slice): the wanted layout
         that makes the conversions cheapest, or None (each from ``src``)."""
         if id(val) not in hubs:
-            want = [t for t in prob.wanted(val, choice) if t != src]
-            best, best_cost = None, sum(prob.conversion(val, src, t) for t in want)
-            for h in want if len(want) > 1 else ():
-                c = prob.conversion(val, src, h) + sum(
-                    min(prob.conversion(val, src, t), prob.conversion(val, h, t))
-                    for t in want
-                    if t != h
-                )
-                if c < best_cost:
-                    best, best_cost = h, c
-            hubs[id(val)] = best
+            hubs[id(val)] = prob.spread(val, src, prob.wanted(val, choice))[1]
         return hubs[id(val)]
 
     def box(made, i, val, literal: bool, src, dst) -> list[Boxing]:

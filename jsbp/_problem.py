@@ -229,9 +229,24 @@ class Problem:
         out.update(val.wants)
         return out
 
+    def spread(self, val: Value, src: tuple, wanted, share: float | None = None):
+        """How ``val``, made in ``src``, reaches the layouts in ``wanted``, as the lowering runs
+        it: each from ``src``, or first to one of them (the *hub*) and each other from whichever
+        of ``src`` and the hub is cheaper (an all-reduce, then local slices). (its cost, the hub
+        or None)."""
+        want = [t for t in wanted if t != src]
+        direct = [self.conversion(val, src, t, share) for t in want]
+        best, hub = sum(direct), None
+        for h, to_h in zip(want if len(want) > 1 else (), direct):
+            c = to_h + sum(
+                min(d, self.conversion(val, h, t, share)) for t, d in zip(want, direct) if t != h
+            )
+            if c < best:
+                best, hub = c, h
+        return best, hub
+
     def value_cost(self, val: Value, choice, share: float | None = None) -> float:
-        src = self.layout(val, choice)
-        return sum(self.conversion(val, src, t, share) for t in self.wanted(val, choice))
+        return self.spread(val, self.layout(val, choice), self.wanted(val, choice), share)[0]
 
     def groups(self, val: Value, choice, wanted=None) -> set:
         """The combined collectives a deferrable ``val``'s conversions join: (kind, axes); to
@@ -614,6 +629,53 @@ def deferrable(nodes, values) -> None:
     ]
     for val in late:
         val.deferrable = True
+
+
+REPEAT_MIN_NODES = 16
+"""Fewest nodes (equations with a choice) a repeated stretch's period may have for ``repeats`` to
+tie its copies: a layer, not a few elementwise operations."""
+
+
+def _token(node) -> tuple:
+    """What ``repeats`` compares: the node's kind and candidates (equal for equations of one
+    primitive, parameters and operand types: ``build`` gives them one list)."""
+    return (node.kind, id(node.cands)) if node.kind == "prim" else (node.kind, tuple(node.cands))
+
+
+def repeats(nodes, min_nodes: int = REPEAT_MIN_NODES) -> list[int]:
+    """Per node the node it is a copy of (itself if none): the nodes of a stretch of the program
+    that repeats a period of ``min_nodes`` or more nodes (an unrolled stack of layers, their
+    gradients, an optimizer's update of each layer's parameters), node for node, are tied to the
+    first copy, so that the solver chooses once for all copies. Periods are tried by how many
+    nodes they tie, most first; a node tied once stays tied."""
+    n = len(nodes)
+    ids: dict = {}
+    tok = np.array([ids.setdefault(_token(nd), len(ids)) for nd in nodes], dtype=np.int64)
+    rep = np.arange(n)
+    if n < 2 * min_nodes:
+        return rep.tolist()
+    last: dict = {}
+    gaps: dict = {}
+    for i, t in enumerate(tok.tolist()):
+        if t in last and i - last[t] >= min_nodes:
+            gaps[i - last[t]] = gaps.get(i - last[t], 0) + 1
+        last[t] = i
+    tied = np.zeros(n, dtype=bool)
+    for p in sorted(gaps, key=lambda p: (-gaps[p], -p)):
+        if gaps[p] < min_nodes:
+            break
+        same = tok[p:] == tok[:-p]  # same[i]: node i + p repeats node i
+        edges = np.diff(np.concatenate([[0], same.astype(np.int8), [0]]))
+        for s, e in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)):
+            if e - s < p:  # fewer than two copies
+                continue
+            for i in range(s + p, e + p):
+                if not tied[i]:
+                    rep[i] = i - p
+                    tied[i] = True
+    for i in range(n):  # each to the first of its copies (rep[i] < i for a tied node)
+        rep[i] = rep[rep[i]]
+    return rep.tolist()
 
 
 def shift(nd, delta):

@@ -22,7 +22,7 @@ import numpy as np
 
 from ._boxing import combined_collective
 from ._cost import itemsize
-from ._problem import Problem
+from ._problem import Problem, repeats
 
 EXACT_MAX_VARS = 3_000
 """Largest MILP (variables x + y + z) ``solve`` hands to ``exact``; larger problems are
@@ -186,8 +186,9 @@ def _joins(prob: Problem, u: int, val):
 
 
 def _pricer(prob: Problem, tables, u: int, val):
-    """A function of the assignment: ``val``'s conversions (``Problem.value_cost``, a deferrable
-    value's latency not charged) per candidate of node ``u``, the other nodes as assigned."""
+    """A function of the assignment: ``val``'s conversions (``Problem.value_cost``: each wanted
+    layout from the made one or through a hub; a deferrable value's latency not charged) per
+    candidate of node ``u``, the other nodes as assigned."""
     index, sub = tables.of(val, share=0.0)
     n = prob.nodes[u]
 
@@ -216,6 +217,21 @@ def _pricer(prob: Problem, tables, u: int, val):
                 new &= r != q
             extra = np.diagonal(sub(src, r)) if src is not None else sub(s, r)[0]
             cost = cost + np.where(new, extra, 0.0)
+        if len(fixed) + len(mine) < 2:
+            return cost
+        spread = {}  # (made, wanted): the least through a hub (``Problem.spread``)
+        for c in range(len(n.cands)):
+            made = int(s[c] if src is not None else s[0])
+            wanted = fixed.union(int(r[c]) for r in mine)
+            wanted.discard(made)
+            if len(wanted) < 2:
+                continue
+            key = (made, frozenset(wanted))
+            if key not in spread:
+                w = np.fromiter(wanted, np.intp, len(wanted))
+                d = sub(np.array([made]), w)[0]
+                spread[key] = float((d + np.minimum(d[None, :], sub(w, w)).sum(1)).min())
+            cost[c] = min(cost[c], spread[key])
         return cost
 
     return price
@@ -416,16 +432,19 @@ def _pairwise(prob: Problem):
     if static is None:  # the values whose pricing does not change between ``solve``'s runs
         unary = [np.asarray(n.compute, dtype=float).copy() for n in prob.nodes]
         adj: list[dict] = [{} for _ in prob.nodes]
-        _add_values(prob, [v for v in prob.values if not v.deferrable], unary, adj)
-        static = prob.cache["pairwise"] = (unary, adj)
+        hubs: list = []
+        _add_values(prob, [v for v in prob.values if not v.deferrable], unary, adj, hubs)
+        static = prob.cache["pairwise"] = (unary, adj, hubs)
     unary = list(static[0])  # (arrays never changed in place: ``eliminate`` reuses its steps)
     adj = [dict(a) for a in static[1]]
-    _add_values(prob, [v for v in prob.values if v.deferrable], unary, adj)
-    return unary, adj
+    hubs = list(static[2])
+    _add_values(prob, [v for v in prob.values if v.deferrable], unary, adj, hubs)
+    return unary, adj, hubs
 
 
-def _add_values(prob: Problem, values, unary, adj) -> None:
-    """Add the conversions of ``values`` to the pairwise model (``unary``, ``adj``), in place."""
+def _add_values(prob: Problem, values, unary, adj, hubs) -> None:
+    """Add the conversions of ``values`` to the pairwise model (``unary``, ``adj``), in place;
+    each hub added to ``hubs`` as (its node, its value, its candidates' rows)."""
     nodes = prob.nodes
     tables = prob.cache.setdefault("tables", _Tables(prob))
 
@@ -475,6 +494,7 @@ def _add_values(prob: Problem, values, unary, adj) -> None:
                 edge(p, u, reads(u, src))
             continue
         h = len(unary)
+        hubs.append((h, val, every))
         unary.append(sub(every, want).sum(1) + (sub(src, every)[0] if p is None else 0.0))
         adj.append({})
         if p is not None:
@@ -692,7 +712,19 @@ def eliminate(prob: Problem) -> list[int]:
     becomes an edge between them (parallel edges add up); what is left, nodes of three or more
     neighbours, is solved exactly (``_core_exact``) or by min-sum (``_min_sum``); then the
     eliminated nodes take their recorded best candidates, last eliminated first."""
-    unary, adj = _pairwise(prob)
+    unary, adj, hubs = _pairwise(prob)
+    rep = prob.cache.get("repeats")
+    if rep is None:
+        rep = prob.cache["repeats"] = repeats(prob.nodes)
+    rep = rep + list(range(len(rep), len(unary)))
+    first = {}  # (the first copy of its producer, output index) -> a hub, its rows
+    for h, val, rows in hubs:  # a hub is tied as its value's producer is
+        if val.producer is not None:
+            p, j = val.producer
+            hit = first.setdefault((rep[p], j), (h, rows))
+            if hit[0] != h and np.array_equal(hit[1], rows):
+                rep[h] = hit[0]
+    unary, adj = _tie(unary, adj, rep)
     n = len(unary)
     alive = [True] * n
     record: list = []
@@ -778,7 +810,35 @@ def eliminate(prob: Problem) -> list[int]:
             choice[u] = int(arg[choice[w1]])
         else:
             choice[u] = int(arg[choice[w1], choice[w2]])
-    return choice[: len(prob.nodes)]
+    return [choice[rep[u]] for u in range(len(prob.nodes))]
+
+
+def _tie(unary, adj, rep):
+    """The pairwise model with each node's copies (``rep``: per node the node it copies) folded
+    into it: their costs added to its own, an edge between two copies of one node its diagonal
+    (both choose alike); the copies left with no cost and no neighbour."""
+    if all(r == u for u, r in enumerate(rep)):
+        return unary, adj
+    unary = list(unary)
+    tied: list[dict] = [{} for _ in adj]
+    for u, r in enumerate(rep):
+        if r != u:
+            unary[r] = unary[r] + unary[u]
+    for u, r in enumerate(rep):
+        if r != u:
+            unary[u] = np.zeros_like(unary[u])
+        for w, m in adj[u].items():
+            if u > w:
+                continue
+            a, b = r, rep[w]
+            if a == b:
+                unary[a] = unary[a] + np.diagonal(m)
+                continue
+            if a > b:
+                a, b, m = b, a, m.T
+            tied[a][b] = tied[a][b] + m if b in tied[a] else m
+            tied[b][a] = tied[a][b].T
+    return unary, tied
 
 
 REPRICINGS = 4
@@ -801,8 +861,8 @@ def solve(prob: Problem) -> list[int]:
     Then, while it improves, elimination again priced from the best plan so far (its combined
     collectives, each member a part), polished: a plan whose groups differ from the first's."""
     best = exact(prob, max_vars=EXACT_MAX_VARS)
-    if best is not None:
-        return best
+    if best is not None:  # (its model charges a value each layout from the made one: no hubs)
+        return local_search(prob, best)
     late = [v for v in prob.values if v.deferrable]
     first = eliminate(prob)
     tries = [first]

@@ -217,3 +217,76 @@ def test_a_program_without_equations_is_planned():
     x = jsbp.tensor(xv, placement=P4, sbp="S(0)")
     assert jsbp.jit(jnp.positive)(x).sbp == x.sbp
     _run_and_check(jnp.positive, (x,), xv, out_sbp="B")
+
+
+def test_a_value_wanted_in_two_layouts_is_priced_as_it_is_converted():
+    """A partial sum read replicated and split: the plan all-reduces it once and slices the split
+    copy locally from the replicated one (its hub), and ``Problem.cost`` charges that, not an
+    all-reduce plus a reduce-scatter."""
+    xv, wv = rand(8, 8), rand(8, 8)
+    x = jsbp.tensor(xv, placement=P4, sbp="S(1)")
+    w = jsbp.tensor(wv, placement=P4, sbp="S(0)")
+
+    def f(x, w):
+        y = x @ w
+        return jsbp.to_global(y, sbp="B") * 2.0, jsbp.to_global(y, sbp="S(0)") + 1.0
+
+    prob = _problem_of(f, x, w)
+    choice = _solve.solve(prob)
+    (dot,) = [n for n in prob.nodes if n.eqn is not None and n.eqn.primitive.name == "dot_general"]
+    y = dot.outputs[0]
+    p, b, s0 = (jsbp.sbp.partial_sum,), (jsbp.sbp.broadcast,), (jsbp.sbp.split(0),)
+    assert prob.layout(y, choice) == p
+    assert prob.wanted(y, choice) == {b, s0}
+    through_b = prob.conversion(y, p, b) + prob.conversion(y, b, s0)
+    assert prob.value_cost(y, choice) == pytest.approx(through_b)
+    assert through_b < prob.conversion(y, p, b) + prob.conversion(y, p, s0)
+    _run_and_check(f, (x, w), (xv @ wv * 2.0, xv @ wv + 1.0))
+    counts = jsbp.debug.count_collectives(jsbp.jit(f), x, w)
+    assert {k: v for k, v in counts.items() if v} == {"all-reduce": 1}
+
+
+def _stack(depth):
+    """A train step of ``depth`` identical pre-norm residual MLP blocks, unrolled."""
+
+    def block(h, w1, w2):
+        mu = h.mean(-1, keepdims=True)
+        z = (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+        return h + jax.nn.gelu(z @ w1) @ w2
+
+    def loss(params, x):
+        for w1, w2 in params:
+            x = block(x, w1, w2)
+        return (x**2).mean()
+
+    def step(params, x):
+        g = jax.grad(loss)(params, x)
+        return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g)
+
+    return step
+
+
+def test_repeated_layers_are_tied_to_their_first_copy():
+    """An unrolled stack of identical blocks and its gradient: ``repeats`` ties the nodes of every
+    block after the first (forward, backward and update) to the first block's, so elimination
+    chooses once for all copies; values as one device's, collectives as ``explain`` lists."""
+    depth = 5
+    pv = [(rand(16, 32) * 0.2, rand(32, 16) * 0.2) for _ in range(depth)]
+    xv = rand(8, 16)
+    params = [
+        (
+            jsbp.tensor(a, placement=R22, sbp=("B", "S(1)")),
+            jsbp.tensor(b, placement=R22, sbp=("B", "S(0)")),
+        )
+        for a, b in pv
+    ]
+    x = jsbp.tensor(xv, placement=R22, sbp=("S(0)", "B"))
+    step = _stack(depth)
+    prob = _problem_of(step, params, x)
+    rep = _problem.repeats(prob.nodes)
+    tied = sum(r != u for u, r in enumerate(rep))
+    assert all(r <= u and rep[r] == r for u, r in enumerate(rep))
+    assert all(prob.nodes[u].cands == prob.nodes[r].cands for u, r in enumerate(rep))
+    assert tied >= 0.6 * len(prob.nodes), (tied, len(prob.nodes))
+    ref = jax.jit(step)([tuple(map(jnp.asarray, p)) for p in pv], xv)
+    _run_and_check(step, (params, x), ref, rtol=1e-4, atol=1e-5)
