@@ -382,16 +382,24 @@ def build(
         nodes.append(node)
         return u
 
-    def hold(operands, aval, times, make=None, keep=None) -> int:
+    def hold(operands, aval, times, make=None, keep=None, out_times=None) -> int:
         """A boundary node: the value(s) ``operands`` held in one layout ``L`` (every operand read in
         ``L``), giving a value of ``aval`` in ``make(L)`` (default ``L``) that lives ``times``
-        times a step. ``keep(L)``: the layouts allowed (default all)."""
+        times a step. ``keep(L)``: the layouts allowed (default all). ``out_times``: a loop's
+        carry, also given as a second value, the loop's result, that lives ``out_times`` times
+        (its readers after the loop convert it once per step of the loop's scope, not per trip)."""
         shape = tuple(operands[0].aval.shape)
         lays = [nd for nd in layouts(shape, placement.ndim) if keep is None or keep(nd)]
-        cands = [((nd,) * len(operands), ((make or (lambda x: x))(nd),)) for nd in lays]
-        return add_node(
+        n_out = 1 if out_times is None else 2
+        cands = [((nd,) * len(operands), ((make or (lambda x: x))(nd),) * n_out) for nd in lays]
+        u = add_node(
             Node(None, cands, list(operands), [], np.zeros(len(cands)), kind="hold"), [aval], times
         )
+        if out_times is not None:
+            val = new_value(aval, times=out_times)
+            val.producer = (u, 1)
+            nodes[u].outputs.append(val)
+        return u
 
     def scope(jx, consts, invals, times) -> list:
         """Walk ``jx`` (fresh variables) with its inputs as ``invals``; its structure."""
@@ -411,7 +419,7 @@ def build(
             trips = times * p["length"]
             body, bconsts = fresh_vars(p["jaxpr"].jaxpr), p["jaxpr"].consts
             ks = [hold([x], x.aval, trips) for x in ins[:nc]]
-            cs = [hold([x, None], x.aval, trips) for x in ins[nc : nc + nk]]
+            cs = [hold([x, None], x.aval, trips, out_times=times) for x in ins[nc : nc + nk]]
             xs = [
                 hold(
                     [x],
@@ -432,7 +440,7 @@ def build(
                 hold([val], o.aval, times, make=lambda nd: shift(nd, +1))
                 for val, o in zip(outs[nk:], eqn.outvars[nk:])
             ]
-            results = [nodes[u].outputs[0] for u in cs + ys]
+            results = [nodes[u].outputs[1] for u in cs] + [nodes[u].outputs[0] for u in ys]
             out.append(("scan", eqn, body, bconsts, sub, ks, cs, xs, ys))
         elif name == "while":
             cn, bn = p["cond_nconsts"], p["body_nconsts"]
@@ -440,7 +448,7 @@ def build(
             cj, bj = fresh_vars(p["cond_jaxpr"].jaxpr), fresh_vars(p["body_jaxpr"].jaxpr)
             cks = [hold([x], x.aval, trips) for x in ins[:cn]]
             bks = [hold([x], x.aval, trips) for x in ins[cn : cn + bn]]
-            cs = [hold([x, None], x.aval, trips) for x in ins[cn + bn :]]
+            cs = [hold([x, None], x.aval, trips, out_times=times) for x in ins[cn + bn :]]
             carry = [nodes[u].outputs[0] for u in cs]
             csub = scope(
                 cj, p["cond_jaxpr"].consts, [nodes[u].outputs[0] for u in cks] + carry, trips
@@ -453,7 +461,7 @@ def build(
             for u, val in zip(cs, outvals(bj, trips)):
                 nodes[u].operands[1] = val
                 val.uses.append((u, 1))
-            results = carry
+            results = [nodes[u].outputs[1] for u in cs]
             out.append(("while", eqn, (cj, csub, cks), (bj, bsub, bks), cs))
         else:  # cond
             idx = hold([ins[0]], ins[0].aval, times, keep=lambda nd: nd == b)

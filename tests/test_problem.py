@@ -290,3 +290,25 @@ def test_repeated_layers_are_tied_to_their_first_copy():
     assert tied >= 0.6 * len(prob.nodes), (tied, len(prob.nodes))
     ref = jax.jit(step)([tuple(map(jnp.asarray, p)) for p in pv], xv)
     _run_and_check(step, (params, x), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+def test_a_loop_result_is_converted_once_after_the_loop(loop):
+    """A partial sum accumulated in a loop's carry (the weight gradient of data-parallel steps)
+    stays partial through the trips and is all-reduced once after the loop: the loop's result is
+    a value of the loop's scope, its conversion priced once, not once per trip."""
+    xsv = rand(6, 256, 8)
+    xs = jsbp.tensor(xsv, placement=P4, sbp="S(1)")
+
+    def f(xs):
+        if loop == "scan":
+            acc, _ = jax.lax.scan(lambda a, x: (a + x.T @ x, None), jnp.zeros((8, 8)), xs)
+        else:
+            acc = jax.lax.fori_loop(0, 6, lambda i, a: a + xs[i].T @ xs[i], jnp.zeros((8, 8)))
+        return jnp.tanh(acc)
+
+    ref = jnp.tanh(jnp.einsum("tbi,tbj->ij", xsv, xsv))
+    _run_and_check(f, (xs,), ref, out_sbp="B", rtol=1e-4, atol=1e-4)
+    counts = jsbp.debug.count_collectives(jsbp.jit(f, out_sbp="B"), xs)
+    assert {k: v for k, v in counts.items() if v} == {"all-reduce": 1}
+    assert jsbp.debug.estimate(jsbp.jit(f, out_sbp="B"), xs).collectives == 1  # not per trip
