@@ -6,9 +6,8 @@ copy would be listed by ``explain`` and run once. ``cse`` keeps the first of eac
 points the readers of the others at it, in every nested jaxpr too (a ``pjit``, ``scan`` or
 ``cond`` body; a nested jaxpr seen twice is rewritten once, so calls of one cached body stay
 equal). Equations with effects, or with a parameter that cannot be hashed (an array), are kept
-as they are, and so are those that read no value (a constant made from literals, such as
-``jnp.zeros``): each copy can be made in the layout its readers want, and merging two would tie
-their layouts together (an LSTM's zero ``h`` and ``c`` carries).
+as they are. Constants made from literals are merged too (a causal mask each block builds): XLA
+would merge their conversions as well.
 """
 
 from __future__ import annotations
@@ -51,13 +50,7 @@ class _Cse:
             invars = [v if isinstance(v, jcore.Literal) else subst.get(v, v) for v in eqn.invars]
             params = {k: self.param(p) for k, p in eqn.params.items()}
             eqn = eqn.replace(invars=invars, params=params)
-            key = (
-                None
-                if eqn.effects
-                or eqn.primitive.name in STATEFUL
-                or all(isinstance(v, jcore.Literal) for v in eqn.invars)
-                else _key(eqn)
-            )
+            key = None if eqn.effects or eqn.primitive.name in STATEFUL else _key(eqn)
             earlier = first.get(key) if key is not None else None
             if earlier is not None and not any(isinstance(o, jcore.DropVar) for o in earlier):
                 subst.update(

@@ -10,12 +10,16 @@
 * **loops and branches**: a ``scan``'s or ``while``'s body and a ``cond``'s branches are part of
   the problem (their values and work counted once per iteration); their boundary is *hold* nodes,
   whose candidates are the layouts a loop keeps a constant, a carry (read on entry and given back
-  by the body in one layout) or a scanned input / output in.
+  by the body in one layout) or a scanned input / output in; a carry's hold also gives the loop's
+  result, a value of the loop's scope.
+* **repeats**: the copies of a repeated stretch of nodes (``repeats``: unrolled layers), which the
+  solver ties to the first copy.
 * **costs**, from one ``CostModel`` (``_cost``): converting a value to a layout its readers need
   costs the boxing planner's bytes per device plus ``latency_bytes`` per collective, once per
   (value, layout) however many readers share it; a *deferrable* value's conversion (nothing
   downstream waits for it: ``deferrable``) that is one combinable collective
-  (``_boxing.combined_collective``) runs combined, one latency per combined collective;
+  (``_boxing.combined_collective``) runs combined, one latency per combined collective; a value
+  needed in several layouts may reach them through one of them (``Problem.spread``);
   a node costs the work a device does under its candidate (FLOPs of a contraction, one per
   output element otherwise) at the model's rates; an output asked for in a layout (``out_sbp``)
   pays its conversion.
@@ -655,7 +659,8 @@ def repeats(nodes, min_nodes: int = REPEAT_MIN_NODES) -> list[int]:
     that repeats a period of ``min_nodes`` or more nodes (an unrolled stack of layers, their
     gradients, an optimizer's update of each layer's parameters), node for node, are tied to the
     first copy, so that the solver chooses once for all copies. Periods are tried by how many
-    nodes they tie, most first; a node tied once stays tied."""
+    nodes repeat the node that distance before them, most first (at least ``min_nodes``); a node
+    tied once stays tied."""
     n = len(nodes)
     ids: dict = {}
     tok = np.array([ids.setdefault(_token(nd), len(ids)) for nd in nodes], dtype=np.int64)

@@ -7,8 +7,9 @@
   conversion runs once) and ``g[k] >= z`` for each combined collective ``k`` a deferrable
   value's conversion joins (one latency per group);
 * **elimination** (``eliminate``) otherwise: the problem as a pairwise model (``_pairwise``),
+  the copies of repeated layers tied to their first copy (``_core.tie``, ``_problem.repeats``),
   nodes of one or two neighbours eliminated exactly, the core left solved as a local-polytope
-  MILP (``_core_exact``) or by min-sum message passing (``_min_sum``), run under three pricings
+  MILP (``_core.exact_core``) or by min-sum message passing (``_core.min_sum``), run under three pricings
   of the deferrable values (``solve``);
 * **local search** (``local_search``) polishes the answer on ``Problem.cost`` itself.
 """
@@ -21,20 +22,13 @@ from collections import Counter
 import numpy as np
 
 from ._boxing import combined_collective
+from ._core import EXACT_TIME_LIMIT_S, exact_core, min_sum, tie
 from ._cost import itemsize
 from ._problem import Problem, repeats
 
 EXACT_MAX_VARS = 3_000
 """Largest MILP (variables x + y + z) ``solve`` hands to ``exact``; larger problems are
 eliminated (``eliminate``)."""
-
-EXACT_TIME_LIMIT_S = 2.0
-"""Seconds HiGHS may take on one MILP; without a proven optimum by then its answer is dropped
-(``exact``: elimination plans instead; ``_core_exact``: min-sum does)."""
-
-CORE_EXACT_MAX_VARS = 60_000
-"""Largest MILP (candidates + joint candidates of the edges) over the nodes ``eliminate`` leaves
-that is solved exactly; larger cores go to min-sum."""
 
 SWEEPS = 8
 """Most local-search sweeps over the nodes."""
@@ -503,198 +497,6 @@ def _add_values(prob: Problem, values, unary, adj, hubs) -> None:
             edge(h, u, reads(u, every))
 
 
-MIN_SUM_ROUNDS = 40
-"""Rounds of min-sum message passing on the nodes elimination leaves."""
-
-
-def _energy(core, unary, adj, choice) -> float:
-    total = sum(float(unary[u][choice[u]]) for u in core)
-    return total + sum(
-        float(m[choice[u], choice[w]]) for u in core for w, m in adj[u].items() if u < w
-    )
-
-
-def _icm(core, unary, adj, choice) -> dict:
-    """Iterated conditional modes: each node in turn to its best candidate, the others held."""
-    for _ in range(SWEEPS * 4):
-        changed = False
-        for u in core:
-            tot = unary[u].copy()
-            for w, m in adj[u].items():
-                tot += m[:, choice[w]]
-            c = int(np.argmin(tot))
-            if tot[c] < tot[choice[u]] - 1e-9:
-                choice[u], changed = c, True
-        if not changed:
-            break
-    return choice
-
-
-def _core_exact(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dict | None:
-    """The pairwise model on ``core`` solved by ``scipy.optimize.milp``: a binary per candidate
-    (one per node) and, per edge, the joint of its two ends' candidates (``mu[a, b]``, summing to
-    each end's choice: the local-polytope formulation). None when larger than
-    ``CORE_EXACT_MAX_VARS``, HiGHS proves nothing in ``time_limit``, or scipy is missing."""
-    try:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
-    except ImportError:  # pragma: no cover - scipy is a dependency of the planner extra
-        return None
-
-    edges = [(u, w, m) for u in core for w, m in adj[u].items() if u < w]
-    if not core:
-        return {}
-    base, nvar = {}, 0
-    for u in core:
-        base[u] = nvar
-        nvar += len(unary[u])
-    n = nvar + sum(m.size for _, _, m in edges)
-    if n > CORE_EXACT_MAX_VARS:
-        return None
-    cost = [np.asarray(unary[u], dtype=float) for u in core]
-    rows = [np.repeat(np.arange(len(core)), [len(unary[u]) for u in core])]
-    cols = [np.arange(nvar)]
-    vals = [np.ones(nvar)]
-    r, e0 = len(core), nvar
-    for u, w, m in edges:
-        cu, cw = m.shape
-        cost.append(m.ravel())
-        mu = e0 + np.arange(cu * cw).reshape(cu, cw)
-        # sum_b mu[a, b] - x[u, a] = 0 (rows r .. r+cu), sum_a mu[a, b] - x[w, b] = 0 (the next cw)
-        rows += [r + np.repeat(np.arange(cu), cw), r + cu + np.tile(np.arange(cw), cu)]
-        cols += [mu.ravel(), mu.ravel()]
-        vals += [np.ones(cu * cw), np.ones(cu * cw)]
-        rows += [r + np.arange(cu), r + cu + np.arange(cw)]
-        cols += [base[u] + np.arange(cu), base[w] + np.arange(cw)]
-        vals += [-np.ones(cu), -np.ones(cw)]
-        r += cu + cw
-        e0 += cu * cw
-    a = coo_matrix(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n)
-    ).tocsr()
-    lo = np.zeros(r)
-    lo[: len(core)] = 1.0
-    res = milp(
-        np.concatenate(cost),
-        constraints=[LinearConstraint(a, lo, lo)],
-        integrality=np.concatenate([np.ones(nvar), np.zeros(n - nvar)]),
-        bounds=Bounds(np.zeros(n), np.ones(n)),
-        options={"time_limit": time_limit, "disp": False},
-    )
-    if res.status != 0:
-        return None
-    return {u: int(np.argmax(res.x[base[u] : base[u] + len(unary[u])])) for u in core}
-
-
-def _classes(m: np.ndarray):
-    """The distinct rows of ``m`` (equal bytes): per row its class, and a row of each class."""
-    rows = np.ascontiguousarray(m).view(np.dtype((np.void, m.dtype.itemsize * m.shape[1])))
-    _, first, cls = np.unique(rows[:, 0], return_index=True, return_inverse=True)
-    return cls, first
-
-
-def _min_sum(
-    core, unary, adj, rounds: int = MIN_SUM_ROUNDS, damping: float = 0.5, memo=None
-) -> dict:
-    """A candidate per node of ``core`` (the pairwise model left after elimination): min-sum
-    belief propagation (damped), the cheapest round's decoding polished by ``_icm``. The messages
-    live in one array, those into a node in its neighbours' order. A message is computed on its
-    edge's distinct rows and columns (equal rows: the least of their senders' beliefs; equal
-    columns: the same message entry), the edges of one such shape together; the rounds stop early
-    once a round leaves every message as it was. ``memo``: id(matrix) -> its classes, kept
-    between calls (``solve``'s runs share most of the core's matrices)."""
-    if not core:
-        return {}
-    size = np.array([len(unary[u]) for u in core])
-    off = dict(zip(core, np.concatenate([[0], np.cumsum(size)[:-1]]).tolist()))
-    flat_unary = np.concatenate([unary[u] for u in core])
-    moff, tgt, pos = {}, [], 0  # message (k, u): its offset; each entry's candidate of u
-    for u in core:
-        for k in adj[u]:
-            moff[(k, u)] = pos
-            tgt.append(off[u] + np.arange(len(unary[u])))
-            pos += len(unary[u])
-    tgt = np.concatenate(tgt) if tgt else np.zeros(0, np.intp)
-    # per directed edge a -> b, on its matrix's distinct rows and columns (``red``): the senders'
-    # beliefs less the returning message (``h_src``, ``h_rev``), their least per class of equal
-    # rows (``h_cls``), and the reduced column each entry of the message is (``expand``)
-    h_src, h_rev, h_cls, expand, buckets = [], [], [], np.zeros(pos, np.intp), {}
-    n_cls = n_red = 0
-    ups: dict = {}  # (cu, cw) -> the edges u < w of that shape, for the energy
-    index = {u: i for i, u in enumerate(core)}
-    for u in core:
-        for w, m in adj[u].items():
-            ups.setdefault(m.shape, [])
-            if u > w:
-                continue
-            ups[m.shape].append((m, index[u], index[w]))
-            hit = memo.get(id(m)) if memo is not None else None
-            if hit is None or hit[0] is not m:
-                (rc, rfirst), (cc, cfirst) = _classes(m), _classes(m.T)
-                hit = (m, rc, cc, m[rfirst][:, cfirst])
-                if memo is not None:
-                    memo[id(m)] = hit
-            _, rc, cc, red = hit
-            for a, b, a_cls, b_cls, mat in ((u, w, rc, cc, red), (w, u, cc, rc, red.T)):
-                h_src.append(off[a] + np.arange(len(unary[a])))
-                h_rev.append(moff[(b, a)] + np.arange(len(unary[a])))
-                h_cls.append(n_cls + a_cls)
-                expand[moff[(a, b)] : moff[(a, b)] + len(unary[b])] = n_red + b_cls
-                low = n_cls + np.arange(mat.shape[0])
-                buckets.setdefault(mat.shape, []).append((mat, low, n_red))
-                n_cls += mat.shape[0]
-                n_red += mat.shape[1]
-    h_src, h_rev, h_cls = (
-        np.concatenate(x) if x else np.zeros(0, np.intp) for x in (h_src, h_rev, h_cls)
-    )
-    order = np.argsort(h_cls, kind="stable")
-    starts = np.flatnonzero(np.diff(h_cls[order], prepend=-1))
-    plan = []
-    for (_, cw), edges in buckets.items():
-        mats = np.stack([m for m, _, _ in edges])
-        low = np.stack([g for _, g, _ in edges])
-        dst = np.array([o for _, _, o in edges])[:, None] + np.arange(cw)
-        plan.append((mats, low, dst, np.empty_like(mats)))
-    rows = np.repeat(np.arange(len(core)), size)
-    cols = np.arange(len(flat_unary)) - np.repeat(np.array([off[u] for u in core]), size)
-    padded = np.full((len(core), int(size.max())), np.inf)
-    ups = [
-        (
-            np.stack([m for m, _, _ in es]),
-            np.array([a for _, a, _ in es], dtype=np.intp),
-            np.array([b for _, _, b in es], dtype=np.intp),
-        )
-        for es in ups.values()
-        if es
-    ]
-    starts_u = np.array([off[u] for u in core])
-    msgs = np.zeros(pos)
-    red = np.empty(n_red)
-    best, best_e = None, np.inf
-    for _ in range(rounds):
-        belief = flat_unary + np.bincount(tgt, weights=msgs, minlength=len(flat_unary))
-        padded[rows, cols] = belief
-        pick = padded.argmin(1)
-        e = float(flat_unary[starts_u + pick].sum())
-        for mats, a, b in ups:
-            e += float(mats[np.arange(len(a)), pick[a], pick[b]].sum())
-        if e < best_e - 1e-9:
-            best, best_e = dict(zip(core, pick.tolist())), e
-        h = (belief[h_src] - msgs[h_rev])[order]
-        low = np.minimum.reduceat(h, starts) if len(h) else h
-        for mats, g, dst, buf in plan:
-            msg = np.add(mats, low[g][:, :, None], out=buf).min(1)
-            msg -= msg.min(1, keepdims=True)
-            red[dst] = msg
-        new = damping * msgs + (1.0 - damping) * red[expand]
-        if np.array_equal(new, msgs):
-            break
-        msgs = new
-    if best is None:
-        best = {u: int(np.argmin(unary[u])) for u in core}
-    return _icm(core, unary, adj, best)
-
-
 CHAIN_MAX = 1 << 22
 """Largest ``C1 * C * C2`` table a chain elimination builds (floats), else the node stays."""
 
@@ -710,7 +512,7 @@ def eliminate(prob: Problem) -> list[int]:
     """Graph elimination on the pairwise model (``_pairwise``), as OneFlow's SBP graph does: a
     node with one neighbour folds into it (its best candidate per the neighbour's), a node with two
     becomes an edge between them (parallel edges add up); what is left, nodes of three or more
-    neighbours, is solved exactly (``_core_exact``) or by min-sum (``_min_sum``); then the
+    neighbours, is solved exactly (``_core.exact_core``) or by min-sum (``_core.min_sum``); then the
     eliminated nodes take their recorded best candidates, last eliminated first."""
     unary, adj, hubs = _pairwise(prob)
     rep = prob.cache.get("repeats")
@@ -724,7 +526,7 @@ def eliminate(prob: Problem) -> list[int]:
             hit = first.setdefault((rep[p], j), (h, rows))
             if hit[0] != h and np.array_equal(hit[1], rows):
                 rep[h] = hit[0]
-    unary, adj = _tie(unary, adj, rep)
+    unary, adj = tie(unary, adj, rep)
     n = len(unary)
     alive = [True] * n
     record: list = []
@@ -795,10 +597,10 @@ def eliminate(prob: Problem) -> list[int]:
     inputs = (*(unary[u] for u in core), *(m for u in core for m in adj[u].values()))
 
     def solve_core():
-        got = _core_exact(core, unary, adj)
+        got = exact_core(core, unary, adj)
         if got is not None:
             return got
-        return _min_sum(core, unary, adj, memo=prob.cache.setdefault("classes", {}))
+        return min_sum(core, unary, adj, memo=prob.cache.setdefault("classes", {}))
 
     got = made(tuple(core), inputs, solve_core)
     for u, c in got.items():
@@ -811,34 +613,6 @@ def eliminate(prob: Problem) -> list[int]:
         else:
             choice[u] = int(arg[choice[w1], choice[w2]])
     return [choice[rep[u]] for u in range(len(prob.nodes))]
-
-
-def _tie(unary, adj, rep):
-    """The pairwise model with each node's copies (``rep``: per node the node it copies) folded
-    into it: their costs added to its own, an edge between two copies of one node its diagonal
-    (both choose alike); the copies left with no cost and no neighbour."""
-    if all(r == u for u, r in enumerate(rep)):
-        return unary, adj
-    unary = list(unary)
-    tied: list[dict] = [{} for _ in adj]
-    for u, r in enumerate(rep):
-        if r != u:
-            unary[r] = unary[r] + unary[u]
-    for u, r in enumerate(rep):
-        if r != u:
-            unary[u] = np.zeros_like(unary[u])
-        for w, m in adj[u].items():
-            if u > w:
-                continue
-            a, b = r, rep[w]
-            if a == b:
-                unary[a] = unary[a] + np.diagonal(m)
-                continue
-            if a > b:
-                a, b, m = b, a, m.T
-            tied[a][b] = tied[a][b] + m if b in tied[a] else m
-            tied[b][a] = tied[a][b].T
-    return unary, tied
 
 
 REPRICINGS = 4
@@ -859,15 +633,18 @@ def solve(prob: Problem) -> list[int]:
     each; a part of one where they join a combined collective that first plan has (one over its
     members there), a whole one where they open another; a share anywhere (one over their number).
     Then, while it improves, elimination again priced from the best plan so far (its combined
-    collectives, each member a part), polished: a plan whose groups differ from the first's."""
+    collectives, each member a part), polished: a plan whose groups differ from the first's (a
+    pricing already run is not run again: elimination would give the same answer)."""
     best = exact(prob, max_vars=EXACT_MAX_VARS)
     if best is not None:  # (its model charges a value each layout from the made one: no hubs)
         return local_search(prob, best)
     late = [v for v in prob.values if v.deferrable]
     first = eliminate(prob)
     tries = [first]
+    priced = set()
     if late:
         prob.joined = _parts(prob, first, late)
+        priced.add(prob.joined)
         tries.append(eliminate(prob))
         prob.joined = None
         prob.share = 1.0 / len(late)
@@ -877,6 +654,10 @@ def solve(prob: Problem) -> list[int]:
     best_cost = prob.cost(best)
     for _ in range(REPRICINGS if late else 0):
         prob.joined = _parts(prob, best, late)
+        if prob.joined in priced:
+            prob.joined = None
+            break
+        priced.add(prob.joined)
         again = eliminate(prob)
         prob.joined = None
         again = local_search(prob, again)
