@@ -682,7 +682,7 @@ def repeats(nodes, min_nodes: int = REPEAT_MIN_NODES) -> list[int]:
         for s, e in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)):
             if e - s < p:  # fewer than two copies
                 continue
-            for i in range(s + p, e + p):
+            for i in range(s + p, s + p + (e - s) // p * p):  # whole copies only
                 if not tied[i]:
                     rep[i] = i - p
                     tied[i] = True
