@@ -12,12 +12,11 @@ import numpy as np
 
 EXACT_TIME_LIMIT_S = 2.0
 """Seconds HiGHS may take on one MILP; without a proven optimum by then its answer is dropped
-(``exact``: elimination plans instead; ``_core_exact``: min-sum does)."""
+(``_solve.exact``: elimination plans instead; ``exact_core``: min-sum does)."""
 
 CORE_EXACT_MAX_VARS = 60_000
 """Largest MILP (candidates + joint candidates of the edges) over the nodes ``eliminate`` leaves
 that is solved exactly; larger cores go to min-sum."""
-
 
 POLISH_SWEEPS = 32
 """Most sweeps of the greedy polish (``_icm``) after min-sum."""

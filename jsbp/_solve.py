@@ -9,8 +9,8 @@
 * **elimination** (``eliminate``) otherwise: the problem as a pairwise model (``_pairwise``),
   the copies of repeated layers tied to their first copy (``_core.tie``, ``_problem.repeats``),
   nodes of one or two neighbours eliminated exactly, the core left solved as a local-polytope
-  MILP (``_core.exact_core``) or by min-sum message passing (``_core.min_sum``), run under three pricings
-  of the deferrable values (``solve``);
+  MILP (``_core.exact_core``) or by min-sum message passing (``_core.min_sum``), run under
+  three pricings of the deferrable values (``solve``);
 * **local search** (``local_search``) polishes the answer on ``Problem.cost`` itself.
 """
 
