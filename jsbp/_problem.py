@@ -235,19 +235,14 @@ class Problem:
 
     def spread(self, val: Value, src: tuple, wanted, share: float | None = None):
         """How ``val``, made in ``src``, reaches the layouts in ``wanted``, as the lowering runs
-        it: each from ``src``, or first to one of them (the *hub*) and each other from whichever
-        of ``src`` and the hub is cheaper (an all-reduce, then local slices). (its cost, the hub
-        or None)."""
+        it (``through_hub``): (its cost, the hub or None)."""
         want = [t for t in wanted if t != src]
-        direct = [self.conversion(val, src, t, share) for t in want]
-        best, hub = sum(direct), None
-        for h, to_h in zip(want if len(want) > 1 else (), direct):
-            c = to_h + sum(
-                min(d, self.conversion(val, h, t, share)) for t, d in zip(want, direct) if t != h
-            )
-            if c < best:
-                best, hub = c, h
-        return best, hub
+        direct = np.array([self.conversion(val, src, t, share) for t in want])
+        between = None
+        if len(want) > 1:
+            between = np.array([[self.conversion(val, h, t, share) for t in want] for h in want])
+        cost, h = through_hub(direct, between)
+        return cost, None if h is None else want[h]
 
     def value_cost(self, val: Value, choice, share: float | None = None) -> float:
         return self.spread(val, self.layout(val, choice), self.wanted(val, choice), share)[0]
@@ -270,6 +265,21 @@ class Problem:
         total += sum(self.value_cost(v, choice, 0.0) for v in self.values)
         groups = set().union(*(self.groups(v, choice) for v in self.values if v.deferrable))
         return total + self.model.latency_bytes * len(groups)
+
+
+def through_hub(direct: np.ndarray, between: np.ndarray | None) -> tuple[float, int | None]:
+    """A value's conversions to the layouts it is needed in (none of them the one it is made
+    in): each from the made layout (``direct[t]``), or first to one of them, the *hub* ``h``,
+    and each other from whichever of the made layout and the hub is cheaper (``between[h, t]``,
+    its diagonal zero: an all-reduce, then local slices). (the least cost, the hub's index or
+    None)."""
+    best, hub = float(direct.sum()), None
+    if between is not None and len(direct) > 1:
+        through = direct + np.minimum(direct[None, :], between).sum(1)
+        h = int(through.argmin())
+        if through[h] < best:
+            best, hub = float(through[h]), h
+    return best, hub
 
 
 def flops(eqn) -> float:

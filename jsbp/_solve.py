@@ -24,7 +24,7 @@ import numpy as np
 from ._boxing import combined_collective
 from ._core import EXACT_TIME_LIMIT_S, exact_core, min_sum, tie
 from ._cost import itemsize
-from ._problem import Problem, repeats
+from ._problem import Problem, repeats, through_hub
 
 EXACT_MAX_VARS = 3_000
 """Largest MILP (variables x + y + z) ``solve`` hands to ``exact``; larger problems are
@@ -213,7 +213,7 @@ def _pricer(prob: Problem, tables, u: int, val):
             cost = cost + np.where(new, extra, 0.0)
         if len(fixed) + len(mine) < 2:
             return cost
-        spread = {}  # (made, wanted): the least through a hub (``Problem.spread``)
+        spread = {}  # (made, wanted): ``through_hub``'s least (``Problem.spread``)
         for c in range(len(n.cands)):
             made = int(s[c] if src is not None else s[0])
             wanted = fixed.union(int(r[c]) for r in mine)
@@ -223,9 +223,8 @@ def _pricer(prob: Problem, tables, u: int, val):
             key = (made, frozenset(wanted))
             if key not in spread:
                 w = np.fromiter(wanted, np.intp, len(wanted))
-                d = sub(np.array([made]), w)[0]
-                spread[key] = float((d + np.minimum(d[None, :], sub(w, w)).sum(1)).min())
-            cost[c] = min(cost[c], spread[key])
+                spread[key] = through_hub(sub(np.array([made]), w)[0], sub(w, w))[0]
+            cost[c] = spread[key]
         return cost
 
     return price
