@@ -47,12 +47,6 @@ def exact_core(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dict
     (one per node) and, per edge, the joint of its two ends' candidates (``mu[a, b]``, summing to
     each end's choice: the local-polytope formulation). None when larger than
     ``CORE_EXACT_MAX_VARS``, HiGHS proves nothing in ``time_limit``, or scipy is missing."""
-    try:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
-    except ImportError:  # pragma: no cover - scipy is a dependency of the planner extra
-        return None
-
     edges = [(u, w, m) for u in core for w, m in adj[u].items() if u < w]
     if not core:
         return {}
@@ -62,6 +56,11 @@ def exact_core(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dict
         nvar += len(unary[u])
     n = nvar + sum(m.size for _, _, m in edges)
     if n > CORE_EXACT_MAX_VARS:
+        return None
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+    except ImportError:  # pragma: no cover - scipy is a dependency of the planner extra
         return None
     cost = [np.asarray(unary[u], dtype=float) for u in core]
     rows = [np.repeat(np.arange(len(core)), [len(unary[u]) for u in core])]

@@ -158,21 +158,36 @@ def _joins(prob: Problem, u: int, val):
         src = [outs[val.producer[1]] for _, outs in n.cands]
     mine = [[ins[i] for ins, _ in n.cands] for i in dict.fromkeys(i for w, i in val.uses if w == u)]
     others = _others(n, u, val)
+    memo = prob.cache.setdefault("joins", {})  # copies of one layer ask the same questions
+    kind = (
+        id(n.cands),
+        None if src is None else val.producer[1],
+        tuple(i for w, i in val.uses if w == u),
+        val.shape,
+        val.aval.dtype,
+    )
 
     def groups(s, wanted):
         return {g for t in wanted for g in combined_collective(s, t, val.shape, hier, size)}
 
     def joins(choice, asked):
-        fixed = set(val.wants).union(others(choice, asked))
-        if src is None and not mine:
-            return [groups(prob.layout(val, choice), fixed)] * len(n.cands)
+        fixed = frozenset(val.wants).union(others(choice, asked))
         s = prob.layout(val, choice) if src is None else None
-        out, memo = [], {}  # (layout made, layouts u reads): its groups (candidates share them)
+        key = (kind, s, fixed)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = answer(s, fixed)
+        return hit
+
+    def answer(s, fixed):
+        if src is None and not mine:
+            return [groups(s, fixed)] * len(n.cands)
+        out, seen = [], {}  # (layout made, layouts u reads): its groups (candidates share them)
         for c in range(len(n.cands)):
             key = (s if src is None else src[c], *(r[c] for r in mine))
-            hit = memo.get(key)
+            hit = seen.get(key)
             if hit is None:
-                hit = memo[key] = groups(key[0], fixed.union(key[1:]))
+                hit = seen[key] = groups(key[0], fixed.union(key[1:]))
             out.append(hit)
         return out
 
@@ -185,10 +200,6 @@ def _pricer(prob: Problem, tables, u: int, val):
     candidate of node ``u``, the other nodes as assigned."""
     index, sub = tables.of(val, share=0.0)
     n = prob.nodes[u]
-
-    def idx(nds):
-        return np.array([index(nd) for nd in nds], dtype=np.intp)
-
     src = None
     if val.producer is not None and val.producer[0] == u:
         src = tables.columns(val, n.cands, 1, val.producer[1])
@@ -197,12 +208,21 @@ def _pricer(prob: Problem, tables, u: int, val):
     ]
     others = _others(n, u, val)
     wants = {index(nd) for nd in val.wants}
+    memo = tables.memo  # copies of one layer ask the same questions
+    kind = (id(sub), None if src is None else id(src), *map(id, mine))
 
     def price(choice, asked):
         fixed = set(wants)
         for t in others(choice, asked):
             fixed.add(index(t))
-        s = src if src is not None else idx([prob.layout(val, choice)])
+        made = None if src is not None else index(prob.layout(val, choice))
+        key = (kind, made, frozenset(fixed))
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = answer(np.array([made]) if src is None else src, fixed)
+        return hit
+
+    def answer(s, fixed):
         cols = np.fromiter(fixed, np.intp, len(fixed))
         cost = sub(s, cols).sum(1)
         for k, r in enumerate(mine):  # a layout u asks that no other reader or operand does
@@ -235,17 +255,17 @@ def exact(
 ) -> list[int] | None:
     """The optimum of ``Problem.cost`` by ``scipy.optimize.milp``; None if the MILP would have
     more than ``max_vars`` variables or HiGHS does not prove an optimum in ``time_limit``."""
-    try:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
-    except ImportError:  # pragma: no cover - scipy is a dependency of the planner extra
-        return None
     nodes = prob.nodes
     if not nodes:
         return []
     base = np.cumsum([0] + [len(n.cands) for n in nodes])
     nx = int(base[-1])
     if nx > max_vars:  # the candidates' binaries alone are too many
+        return None
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+    except ImportError:  # pragma: no cover - scipy is a dependency of the planner extra
         return None
     cost = [float(c) for n in nodes for c in n.compute]
     integ = [1] * nx
@@ -343,6 +363,7 @@ class _Tables:
         self.cols: dict = {}  # ``columns``' arrays
         self.made: dict = {}  # (key, times) -> ``of``'s functions
         self.indexes: dict = {}  # (shape, dtype) -> its ``index``
+        self.memo: dict = {}  # ``_pricer``'s answers
 
     def of(self, val, share: float | None = None):
         """Functions of ``val``'s kind: ``index(nd)``, a layout's row and column, and
