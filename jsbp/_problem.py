@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -217,7 +218,7 @@ class Problem:
                 elif self.joined is None:
                     part = self.share
                 else:
-                    part = dict(self.joined).get(k, 1.0)
+                    part = _parts(self.joined).get(k, 1.0)
                 cost -= latency * (1.0 - part)
         return val.times * cost
 
@@ -265,6 +266,12 @@ class Problem:
         total += sum(self.value_cost(v, choice, 0.0) for v in self.values)
         groups = set().union(*(self.groups(v, choice) for v in self.values if v.deferrable))
         return total + self.model.latency_bytes * len(groups)
+
+
+@functools.lru_cache(maxsize=64)
+def _parts(joined: frozenset) -> dict:
+    """``Problem.joined`` as a dict: combined collective -> the part of its latency a member pays."""
+    return dict(joined)
 
 
 def through_hub(direct: np.ndarray, between: np.ndarray | None) -> tuple[float, int | None]:
