@@ -158,7 +158,7 @@ def _joins(prob: Problem, u: int, val):
         src = [outs[val.producer[1]] for _, outs in n.cands]
     mine = [[ins[i] for ins, _ in n.cands] for i in dict.fromkeys(i for w, i in val.uses if w == u)]
     others = _others(n, u, val)
-    memo = prob.cache.setdefault("joins", {})  # copies of one layer ask the same questions
+    memo = prob.cache.setdefault("joins", {})  # answers: copies of one layer ask the same
     kind = (
         id(n.cands),
         None if src is None else val.producer[1],
@@ -208,7 +208,7 @@ def _pricer(prob: Problem, tables, u: int, val):
     ]
     others = _others(n, u, val)
     wants = {index(nd) for nd in val.wants}
-    memo = tables.memo  # copies of one layer ask the same questions
+    memo = prob.cache.setdefault("prices", {})  # answers: copies of one layer ask the same
     kind = (id(sub), None if src is None else id(src), *map(id, mine))
 
     def price(choice, asked):
@@ -363,7 +363,6 @@ class _Tables:
         self.cols: dict = {}  # ``columns``' arrays
         self.made: dict = {}  # (key, times) -> ``of``'s functions
         self.indexes: dict = {}  # (shape, dtype) -> its ``index``
-        self.memo: dict = {}  # ``_pricer``'s answers
 
     def of(self, val, share: float | None = None):
         """Functions of ``val``'s kind: ``index(nd)``, a layout's row and column, and
