@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 
 import numpy as np
@@ -351,54 +352,56 @@ def exact(
 
 
 class _Tables:
-    """Conversion costs of the values of ``prob`` as matrices over layouts, one per (shape,
-    dtype) and, for deferrable values, per pricing (``Problem.share`` / ``joined``), filled as
-    they are read (``Problem.conversion`` once per pair of layouts), scaled by each value's
-    ``times``. Kept in ``Problem.cache``: ``solve``'s runs share them."""
+    """Conversion costs of the values of ``prob`` as matrices over layouts, filled as they are
+    read and scaled by each value's ``times``. A conversion's cost depends only on the tensor's
+    rank and bytes (``_boxing.conversion_cost``), so values of one rank share their layouts' rows
+    and columns, and values of one rank and size one table (``Problem.conversion`` once per pair
+    of layouts). A deferrable value's pricing (``Problem.share`` / ``joined``) takes off part of
+    the latency of the combined collective each conversion joins: per shape and item size, a
+    table of those collectives (``combined_collective``; -1: none). Kept in ``Problem.cache``:
+    ``solve``'s runs share them."""
 
     def __init__(self, prob: Problem):
         self.prob = prob
-        self.by_kind: dict = {}  # key -> [index dict, table, a value of that kind]
-        self.layouts: dict = {}  # (shape, dtype) -> {layout: its row and column}
+        self.costs: dict = {}  # (rank, bytes) -> [table]
+        self.groups: dict = {}  # (shape, item size) -> [table of collectives' indices]
+        self.keys: dict = {}  # combined collective -> its index in the group tables
+        self.layouts: dict = {}  # rank -> {layout: its row and column}
         self.cols: dict = {}  # ``columns``' arrays
-        self.made: dict = {}  # (key, times) -> ``of``'s functions
-        self.indexes: dict = {}  # (shape, dtype) -> its ``index``
+        self.made: dict = {}  # (kind, pricing, times) -> ``of``'s functions
 
     def of(self, val, share: float | None = None):
         """Functions of ``val``'s kind: ``index(nd)``, a layout's row and column, and
         ``sub(rows, cols)``, that table's block scaled by ``val.times`` (a deferrable value's
         latency priced as ``Problem.conversion``'s ``share``)."""
-        key = (val.shape, val.aval.dtype, val.deferrable)
+        size = itemsize(val.aval.dtype)
+        kind = (len(val.shape), math.prod(val.shape) * size)
+        pricing = None  # (the part of a latency each member pays, or None: per ``joined``)
         if val.deferrable:
-            key += (share,) if share is not None else (self.prob.share, self.prob.joined)
-        hit = self.made.get((key, val.times))
+            kind += (val.shape, size)
+            pricing = (share, None) if share is not None else (self.prob.share, self.prob.joined)
+        hit = self.made.get((kind, pricing, val.times))
         if hit is None:
-            entry = self.by_kind.get(key)
-            if entry is None:
-                lays = self.layouts.setdefault((val.shape, val.aval.dtype), {})
-                entry = self.by_kind[key] = [lays, np.full((0, 0), np.nan), val]
-            index = self._index(val.shape, val.aval.dtype)
-            hit = self.made[(key, val.times)] = (index, self._sub(entry, val.times, share))
+            index = self._index(len(val.shape))
+            sub = self._sub(val, kind, pricing)
+            hit = self.made[(kind, pricing, val.times)] = (index, sub)
         return hit
 
     def columns(self, val, cands, side: int, pos: int) -> np.ndarray:
         """The rows (``index``) of the layouts ``cands`` (a node's candidates) give operand
         (``side`` 0) or result (``side`` 1) ``pos``, the value ``val``; one array per list of
-        candidates (identical equations share theirs) and shape."""
-        key = (id(cands), side, pos, val.shape, val.aval.dtype)
+        candidates (identical equations share theirs)."""
+        key = (id(cands), side, pos)
         hit = self.cols.get(key)
         if hit is None or hit[0] is not cands:
-            index = self._index(val.shape, val.aval.dtype)
+            index = self._index(len(val.shape))
             rows = np.array([index(c[side][pos]) for c in cands], dtype=np.intp)
             hit = self.cols[key] = (cands, rows)
         return hit[1]
 
-    def _index(self, shape, dtype):
-        """``index(nd)``: a layout's row and column in the tables of ``(shape, dtype)``."""
-        hit = self.indexes.get((shape, dtype))
-        if hit is not None:
-            return hit
-        lays = self.layouts.setdefault((shape, dtype), {})
+    def _index(self, rank: int):
+        """``index(nd)``: a layout's row and column in the tables of tensors of ``rank``."""
+        lays = self.layouts.setdefault(rank, {})
 
         def index(nd):
             k = lays.get(nd)
@@ -406,33 +409,55 @@ class _Tables:
                 k = lays[nd] = len(lays)
             return k
 
-        self.indexes[(shape, dtype)] = index
         return index
 
-    def _sub(self, entry, times, share):
-        """``sub(rows, cols)``: the block of ``entry``'s table, filled where not yet read, scaled
-        by ``times``."""
-        lays = entry[0]
+    def _sub(self, val, kind, pricing):
+        """``sub(rows, cols)``: the block of ``val``'s table, filled where not yet read, its
+        combined collectives priced as ``pricing`` (None: not deferrable), scaled by
+        ``val.times``."""
+        prob, lays, times = self.prob, self.layouts.setdefault(len(val.shape), {}), val.times
+        costs = self.costs.setdefault(kind[:2], [np.zeros((0, 0))])
+        groups = self.groups.setdefault(kind[2:], [np.zeros((0, 0))])
+        proto = dataclasses.replace(val, times=1.0, deferrable=False)
+        hier, size = prob.placement.hierarchy, itemsize(val.aval.dtype)
+        joined = dict(pricing[1]) if pricing is not None and pricing[1] is not None else None
+        parts = [np.ones(1)]  # per combined collective the part of a latency it pays, then 1
+
+        def group(src, dst):
+            ks = combined_collective(src, dst, val.shape, hier, size)
+            return self.keys.setdefault(ks[0], len(self.keys)) if ks else -1
 
         def sub(rows, cols):
-            n = len(lays)
-            if entry[1].shape[0] < n:
-                grown = np.full((2 * n, 2 * n), np.nan)
-                grown[: entry[1].shape[0], : entry[1].shape[1]] = entry[1]
-                entry[1] = grown
-            table = entry[1]
-            block = table[rows[:, None], cols]
-            miss = np.nonzero(np.isnan(block))
-            if len(miss[0]):
-                nds = list(lays)
-                proto = dataclasses.replace(entry[2], times=1.0)  # (the same shape and share)
-                conversion = self.prob.conversion
-                for a, b in set(zip(rows[miss[0]].tolist(), cols[miss[1]].tolist())):
-                    table[a, b] = conversion(proto, nds[a], nds[b], share)
-                block = table[rows[:, None], cols]
-            return block * times
+            block = _filled(costs, lays, rows, cols, lambda s, d: prob.conversion(proto, s, d))
+            if pricing is None:
+                return block * times
+            g = _filled(groups, lays, rows, cols, group).astype(np.intp)
+            if len(parts[0]) != len(self.keys) + 1:
+                parts[0] = np.array(
+                    [pricing[0] if joined is None else joined.get(k, 1.0) for k in self.keys]
+                    + [1.0]
+                )
+            return (block - prob.model.latency_bytes * (1.0 - parts[0][g])) * times
 
         return sub
+
+
+def _filled(entry, lays, rows, cols, fill) -> np.ndarray:
+    """The block ``rows`` x ``cols`` of the table ``entry[0]`` (grown to the layouts ``lays``
+    index), its entries not yet read (NaN) filled by ``fill(src, dst)``."""
+    n = len(lays)
+    if entry[0].shape[0] < n:
+        grown = np.full((2 * n, 2 * n), np.nan)
+        grown[: entry[0].shape[0], : entry[0].shape[1]] = entry[0]
+        entry[0] = grown
+    block = entry[0][rows[:, None], cols]
+    miss = np.nonzero(np.isnan(block))
+    if len(miss[0]):
+        nds = list(lays)
+        for a, b in set(zip(rows[miss[0]].tolist(), cols[miss[1]].tolist())):
+            entry[0][a, b] = fill(nds[a], nds[b])
+        block = entry[0][rows[:, None], cols]
+    return block
 
 
 def _pairwise(prob: Problem):
