@@ -21,14 +21,16 @@ parameters gathered back) join the open groups too. So an optimizer's ``g * g`` 
 all-reduced gradient waits with it, and the gradients' all-reduces run as one collective whether
 each is reduced at its ``to_global`` annotation, its transpose or its update; and the activation
 all-reduces of a Megatron x data step, each needed at once, do not cut its gradients' group.
+A step that cannot wait (a loop) takes its own operands' conversions into the open groups, which
+close there: the weights a loop reads whole are gathered by one collective before it.
 
 ``combine_collectives`` decides the groups on the ``Program`` and the order its steps and groups
 run in (``Program.order``, a topological order of their data), so ``jsbp.explain`` shows them and
 counts each combined collective once, as the compiled program has it; the emitter
 (``_emit.run_program``) runs that order and nothing else. A boxing joins a group when it
 is a single even all-reduce (of a partial sum: partial extrema travel as order keys),
-reduce-scatter or all-gather of a value no nested program reads and no later conversion starts
-from (``via``), on a step that can wait.
+reduce-scatter or all-gather of a value no inlined call reads and no later conversion starts
+from (``via``).
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def combine_collectives(prog) -> None:
             v = st.eqn.invars[bx.operand]
             if bx.via and not isinstance(v, jcore.Literal):
                 via_read.add((v, bx.src.nd_sbp))  # read in place by a later conversion
-        if st.sub is not None:  # a nested program may convert the value too (and reuse it)
+        if st.kind == "call":  # its program may convert the value too (and reuse it)
             nested_read.update(v for v in st.eqn.invars if not isinstance(v, jcore.Literal))
     open_groups: dict = {}  # key -> (group index, members, bytes)
     open_ids: set = set()
@@ -150,7 +152,7 @@ def combine_collectives(prog) -> None:
             close(pending[bx.operand])  # converted here: its groups run first
             key = (
                 _group_key(bx, v)
-                if ok and v not in nested_read and (v, bx.dst.nd_sbp) not in via_read
+                if v not in nested_read and (v, bx.dst.nd_sbp) not in via_read
                 else None
             )
             if key is None:
