@@ -17,9 +17,9 @@
 * **costs**, from one ``CostModel`` (``_cost``): converting a value to a layout its readers need
   costs the boxing planner's bytes per device plus ``latency_bytes`` per collective, once per
   (value, layout) however many readers share it; a *deferrable* value's conversion (nothing
-  downstream waits for it: ``deferrable``) that is one combinable collective
-  (``_boxing.combined_collective``) runs combined, one latency per combined collective; a value
-  needed in several layouts may reach them through one of them (``Problem.spread``);
+  downstream waits for it, or only one loop or branch, at its entry: ``deferrable``) that is one
+  combinable collective (``Problem.joins``) runs combined, one latency per combined collective;
+  a value needed in several layouts may reach them through one of them (``Problem.spread``);
   a node costs the work a device does under its candidate (FLOPs of a contraction, one per
   output element otherwise) at the model's rates; an output asked for in a layout (``out_sbp``)
   pays its conversion.
@@ -156,6 +156,7 @@ class Value:
     wants: list = dataclasses.field(default_factory=list)  # layouts asked of it as a program output
     times: float = 1.0  # runs per step of its scope (a loop body's value: the trip count)
     deferrable: bool = False  # its collectives run combined with the others' (``deferrable``)
+    batch: tuple = ()  # which combined collectives: () the program's last, (n,) loop n's inputs
 
     @property
     def shape(self) -> tuple:
@@ -176,6 +177,7 @@ class Node:
     # candidate index -> (jaxpr, consts): a candidate run as its own small program (``_rewrite``)
     local: dict = dataclasses.field(default_factory=dict)
     nested: bool = False  # inside a call's program (its conversions run there, never combined)
+    entry: int | None = None  # a loop's or branch's input: the loop's first such node
 
 
 @dataclasses.dataclass(eq=False)
@@ -212,7 +214,7 @@ class Problem:
         hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
         cost = conversion_cost(src, dst, val.shape, hier, size, latency, self.model.op_bytes)
         if val.deferrable:
-            for k in combined_collective(src, dst, val.shape, hier, size):
+            for k in self.joins(val, src, dst):
                 if share is not None:
                     part = share
                 elif self.joined is None:
@@ -252,12 +254,16 @@ class Problem:
         """The combined collectives a deferrable ``val``'s conversions join: (kind, axes); to
         ``wanted`` (default: the layouts ``wanted`` gives)."""
         src = self.layout(val, choice)
+        wanted = self.wanted(val, choice) if wanted is None else wanted
+        return {g for t in wanted for g in self.joins(val, src, t)}
+
+    def joins(self, val: Value, src: tuple, dst: tuple) -> tuple:
+        """The combined collective a deferrable ``val``'s conversion ``src -> dst`` joins, as a
+        1-tuple (kind, axes, *``val.batch``), or ()."""
+        if not val.deferrable:
+            return ()
         hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
-        return {
-            g
-            for t in (self.wanted(val, choice) if wanted is None else wanted)
-            for g in combined_collective(src, t, val.shape, hier, size)
-        }
+        return tuple(k + val.batch for k in combined_collective(src, dst, val.shape, hier, size))
 
     def cost(self, choice) -> float:
         """The objective of ``choice`` (one candidate index per node), as the program runs: work,
@@ -422,6 +428,11 @@ def build(
             nodes[u].outputs.append(val)
         return u
 
+    def entry(us) -> None:
+        """Mark the hold nodes ``us`` as one loop's (or branch's) inputs."""
+        for u in us:
+            nodes[u].entry = us[0]
+
     def scope(jx, consts, invals, times) -> list:
         """Walk ``jx`` (fresh variables) with its inputs as ``invals``; its structure."""
         for v, val in zip(jx.invars, invals):
@@ -451,6 +462,7 @@ def build(
                 )
                 for x, bv in zip(ins[nc + nk :], body.invars[nc + nk :])
             ]
+            entry(ks + cs + xs)
             invals = [nodes[u].outputs[0] for u in ks + cs + xs]
             sub = scope(body, bconsts, invals, trips)
             outs = outvals(body, trips)
@@ -470,6 +482,7 @@ def build(
             cks = [hold([x], x.aval, trips) for x in ins[:cn]]
             bks = [hold([x], x.aval, trips) for x in ins[cn : cn + bn]]
             cs = [hold([x, None], x.aval, trips, out_times=times) for x in ins[cn + bn :]]
+            entry(cks + bks + cs)
             carry = [nodes[u].outputs[0] for u in cs]
             csub = scope(
                 cj, p["cond_jaxpr"].consts, [nodes[u].outputs[0] for u in cks] + carry, trips
@@ -487,6 +500,7 @@ def build(
         else:  # cond
             idx = hold([ins[0]], ins[0].aval, times, keep=lambda nd: nd == b)
             ops = [hold([x], x.aval, times) for x in ins[1:]]
+            entry([idx] + ops)
             branches = []
             for closed in p["branches"]:
                 bj = fresh_vars(closed.jaxpr)
@@ -640,7 +654,9 @@ def deferrable(nodes, values) -> None:
     gradient on its way through the optimizer to the outputs; a loss), and read by no node inside
     a call's program (``_combine`` groups the top-level conversions only). Nothing downstream of
     them waits for a collective's result, so ``_combine`` puts their collectives of one kind in
-    one group: ``Problem.cost`` charges one latency per group, not per conversion."""
+    one group: ``Problem.cost`` charges one latency per group, not per conversion. Likewise the
+    values outside loops read only by one top-level loop or branch, as its inputs: ``_combine``
+    runs their conversions of one kind together, right before it (``Value.batch``: that loop)."""
     blocks = [False] * len(nodes)  # whether a contraction, loop or branch is reachable from u
     for u in range(len(nodes) - 1, -1, -1):
         n = nodes[u]
@@ -658,6 +674,12 @@ def deferrable(nodes, values) -> None:
     ]
     for val in late:
         val.deferrable = True
+    for val in values:
+        if val.deferrable or val.times != 1.0 or val.wants or not val.uses:
+            continue
+        loops = {nodes[w].entry if i == 0 and not nodes[w].nested else None for w, i in val.uses}
+        if len(loops) == 1 and None not in loops:
+            val.deferrable, val.batch = True, (loops.pop(),)
 
 
 REPEAT_MIN_NODES = 16

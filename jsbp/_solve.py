@@ -22,7 +22,6 @@ from collections import Counter
 
 import numpy as np
 
-from ._boxing import combined_collective
 from ._core import EXACT_TIME_LIMIT_S, exact_core, min_sum, tie
 from ._cost import itemsize
 from ._problem import Problem, repeats, through_hub
@@ -153,7 +152,6 @@ def _joins(prob: Problem, u: int, val):
     """A function of the assignment: the combined collectives (``Problem.groups``) a deferrable
     ``val`` joins, per candidate of node ``u``, the other nodes as assigned."""
     n = prob.nodes[u]
-    hier, size = prob.placement.hierarchy, itemsize(val.aval.dtype)
     src = None
     if val.producer is not None and val.producer[0] == u:
         src = [outs[val.producer[1]] for _, outs in n.cands]
@@ -166,10 +164,11 @@ def _joins(prob: Problem, u: int, val):
         tuple(i for w, i in val.uses if w == u),
         val.shape,
         val.aval.dtype,
+        val.batch,
     )
 
     def groups(s, wanted):
-        return {g for t in wanted for g in combined_collective(s, t, val.shape, hier, size)}
+        return {g for t in wanted for g in prob.joins(val, s, t)}
 
     def joins(choice, asked):
         fixed = frozenset(val.wants).union(others(choice, asked))
@@ -293,7 +292,6 @@ def exact(
 
     for u, n in enumerate(nodes):
         row([(int(base[u]) + c, 1.0) for c in range(len(n.cands))], 1.0, 1.0)
-    hier = prob.placement.hierarchy
     group: dict = {}  # combined collective (kind, axes) -> its binary (one latency if used)
     for val in prob.values:
         if not val.uses and not val.wants:
@@ -321,7 +319,7 @@ def exact(
                 if s == t:
                     continue
                 c = prob.conversion(val, s, t, 0.0 if val.deferrable else None)
-                joins = combined_collective(s, t, val.shape, hier, itemsize(val.aval.dtype))
+                joins = prob.joins(val, s, t)
                 if c == 0.0 and not (val.deferrable and joins):
                     continue
                 if xs is None:
@@ -378,7 +376,7 @@ class _Tables:
         kind = (len(val.shape), math.prod(val.shape) * size)
         pricing = None  # (the part of a latency each member pays, or None: per ``joined``)
         if val.deferrable:
-            kind += (val.shape, size)
+            kind += (val.shape, size, val.batch)
             pricing = (share, None) if share is not None else (self.prob.share, self.prob.joined)
         hit = self.made.get((kind, pricing, val.times))
         if hit is None:
@@ -419,12 +417,11 @@ class _Tables:
         costs = self.costs.setdefault(kind[:2], [np.zeros((0, 0))])
         groups = self.groups.setdefault(kind[2:], [np.zeros((0, 0))])
         proto = dataclasses.replace(val, times=1.0, deferrable=False)
-        hier, size = prob.placement.hierarchy, itemsize(val.aval.dtype)
         joined = dict(pricing[1]) if pricing is not None and pricing[1] is not None else None
         parts = [np.ones(1)]  # per combined collective the part of a latency it pays, then 1
 
         def group(src, dst):
-            ks = combined_collective(src, dst, val.shape, hier, size)
+            ks = prob.joins(val, src, dst)
             return self.keys.setdefault(ks[0], len(self.keys)) if ks else -1
 
         def sub(rows, cols):

@@ -349,3 +349,35 @@ def test_a_loop_result_is_converted_once_after_the_loop(loop):
     counts = jsbp.debug.count_collectives(jsbp.jit(f, out_sbp="B"), xs)
     assert {k: v for k, v in counts.items() if v} == {"all-reduce": 1}
     assert jsbp.debug.estimate(jsbp.jit(f, out_sbp="B"), xs).collectives == 1  # not per trip
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+def test_a_loops_inputs_are_priced_as_the_one_collective_that_gathers_them(loop):
+    """Two split inputs a loop's body reads whole (a sort along the split dim) are gathered right
+    before the loop, by one combined all-gather (``_combine``): ``Problem.cost`` charges that
+    collective's latency once, not once per input."""
+    w1v, w2v, xv = rand(8), rand(8), rand(5)
+    w1, w2 = (jsbp.tensor(w, placement=P4, sbp="S(0)") for w in (w1v, w2v))
+    x = jsbp.tensor(xv, placement=P4, sbp="B")
+
+    def f(w1, w2, x):
+        def step(c, xi):
+            return c + jnp.sort(w1)[0] * xi + jnp.sort(w2)[-1]
+
+        if loop == "scan":
+            return jax.lax.scan(lambda c, xi: (step(c, xi), None), jnp.float32(0), x)[0]
+        return jax.lax.fori_loop(0, 5, lambda i, c: step(c, x[i]), jnp.float32(0))
+
+    prob = _problem_of(f, w1, w2, x)
+    choice = _solve.solve(prob)
+    ws = prob.invars[:2]
+    assert all(v.deferrable for v in ws) and ws[0].batch == ws[1].batch != ()
+    (group,) = set().union(*(prob.groups(v, choice) for v in ws))
+    assert group[0] == "all-gather"
+    latency = prob.model.latency_bytes
+    each = sum(prob.value_cost(v, choice, 1.0) for v in ws)  # a whole latency each
+    once = sum(prob.value_cost(v, choice, 0.0) for v in ws) + latency
+    assert each - once == pytest.approx(latency)
+    want = sum(np.sort(w1v)[0] * xi + np.sort(w2v)[-1] for xi in xv)
+    _run_and_check(f, (w1, w2, x), want)
+    assert jsbp.debug.estimate(jsbp.jit(f), w1, w2, x).collectives == 1
