@@ -138,33 +138,32 @@ def test_a_data_parallel_train_step_runs_its_order():
     assert counts["all-reduce"] == 1, counts
 
 
-@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
-def test_a_loops_inputs_gathered_before_it_run_as_one_collective(loop):
-    """A loop cannot wait for a collective, but the conversions of its own inputs run right before
-    it, together: two split inputs the body reads whole (a sort along the split dim) are gathered
-    by one combined all-gather, before the loop, not once per iteration. Values as NumPy's; the
-    compiled program has the one collective ``explain`` lists."""
+def test_a_branchs_inputs_gathered_before_it_run_as_one_collective():
+    """A ``cond`` cannot wait for a collective, but the conversions of its own operands run right
+    before it, together: two split operands both branches read whole (a sort along the split dim)
+    are gathered by one combined all-gather. Values as NumPy's for both predicates; the order is a
+    valid schedule and the compiled program has the one collective ``explain`` lists."""
     from jax import lax
 
-    w1v, w2v = (RNG.standard_normal(8).astype(np.float32) for _ in range(2))
-    xv = RNG.standard_normal(5).astype(np.float32)
-    w1, w2 = (jsbp.tensor(w, placement=P4, sbp="S(0)") for w in (w1v, w2v))
-    x = jsbp.tensor(xv, placement=P4, sbp="B")
+    av, bv = (RNG.standard_normal(8).astype(np.float32) for _ in range(2))
+    a, b = (jsbp.tensor(v, placement=P4, sbp="S(0)") for v in (av, bv))
 
-    def f(w1, w2, x):
-        def step(c, xi):
-            return c + jnp.sort(w1)[0] * xi + jnp.sort(w2)[-1]
+    def f(p, a, b):
+        def yes(a, b):
+            return jnp.sort(a) * jnp.sort(b)[0]
 
-        if loop == "scan":
-            return lax.scan(lambda c, xi: (step(c, xi), None), jnp.float32(0), x)[0]
-        return lax.fori_loop(0, 5, lambda i, c: step(c, x[i]), jnp.float32(0))
+        def no(a, b):
+            return jnp.sort(b) - jnp.sort(a)[-1]
 
-    jf = jsbp.jit(f)
-    want = sum(np.sort(w1v)[0] * xi + np.sort(w2v)[-1] for xi in xv)
-    np.testing.assert_allclose(jf(w1, w2, x).numpy(), want, rtol=1e-5, atol=1e-5)
-    plan = jsbp.explain(jf, w1, w2, x)
-    gathers = [b for b in plan.boxings() if b.collectives == ("all-gather",)]
-    assert len(gathers) == 2 and all(b.combined is not None for b in gathers), str(plan)
-    assert _check_order(jf.lower_program(w1, w2, x).program) == 1
-    counts = jsbp.debug.count_collectives(jf, w1, w2, x)
+        return lax.cond(p > 0, yes, no, a, b)
+
+    jf = jsbp.jit(f, out_sbp="B")
+    for pv, want in ((1.0, np.sort(av) * np.sort(bv)[0]), (-1.0, np.sort(bv) - np.sort(av)[-1])):
+        p = jsbp.tensor(np.float32(pv), placement=P4, sbp="B")
+        np.testing.assert_allclose(jf(p, a, b).numpy(), want, rtol=1e-6)
+    plan = jsbp.explain(jf, p, a, b)
+    gathers = [x for x in plan.boxings() if x.collectives == ("all-gather",)]
+    assert len(gathers) == 2 and all(x.combined is not None for x in gathers), str(plan)
+    assert _check_order(jf.lower_program(p, a, b).program) == 1
+    counts = jsbp.debug.count_collectives(jf, p, a, b)
     assert counts == plan.collectives() and counts["all-gather"] == 1, (counts, str(plan))
