@@ -214,15 +214,15 @@ class Problem:
         hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
         cost = conversion_cost(src, dst, val.shape, hier, size, latency, self.model.op_bytes)
         if val.deferrable:
+            pricing = self.pricing(share)
             for k in self.joins(val, src, dst):
-                if share is not None:
-                    part = share
-                elif self.joined is None:
-                    part = self.share
-                else:
-                    part = _parts(self.joined).get(k, 1.0)
-                cost -= latency * (1.0 - part)
+                cost -= latency * (1.0 - latency_part(k, pricing))
         return val.times * cost
+
+    def pricing(self, share: float | None = None) -> tuple:
+        """The pricing of deferrable conversions ``latency_part`` reads: (``share``, None) where
+        ``share`` is given, else (``self.share``, ``self.joined``)."""
+        return (share, None) if share is not None else (self.share, self.joined)
 
     def layout(self, val: Value, choice) -> tuple:
         if val.producer is None:
@@ -272,6 +272,14 @@ class Problem:
         total += sum(self.value_cost(v, choice, 0.0) for v in self.values)
         groups = set().union(*(self.groups(v, choice) for v in self.values if v.deferrable))
         return total + self.model.latency_bytes * len(groups)
+
+
+def latency_part(k, pricing: tuple) -> float:
+    """The part of combined collective ``k``'s latency one member conversion pays under
+    ``pricing`` (``Problem.pricing``): its share where nothing is joined, else its part where the
+    joined plan has ``k``, a whole latency where it does not."""
+    share, joined = pricing
+    return share if joined is None else _parts(joined).get(k, 1.0)
 
 
 @functools.lru_cache(maxsize=64)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ._core import EXACT_TIME_LIMIT_S, exact_core, min_sum, tie
 from ._cost import itemsize
-from ._problem import Problem, repeats, through_hub
+from ._problem import Problem, latency_part, repeats, through_hub
 
 EXACT_MAX_VARS = 3_000
 """Largest MILP (variables x + y + z) ``solve`` hands to ``exact``; larger problems are
@@ -374,10 +374,10 @@ class _Tables:
         latency priced as ``Problem.conversion``'s ``share``)."""
         size = itemsize(val.aval.dtype)
         kind = (len(val.shape), math.prod(val.shape) * size)
-        pricing = None  # (the part of a latency each member pays, or None: per ``joined``)
+        pricing = None  # ``Problem.pricing``: how the combined collectives' latency is shared
         if val.deferrable:
             kind += (val.shape, size, val.batch)
-            pricing = (share, None) if share is not None else (self.prob.share, self.prob.joined)
+            pricing = self.prob.pricing(share)
         hit = self.made.get((kind, pricing, val.times))
         if hit is None:
             index = self._index(len(val.shape))
@@ -417,7 +417,6 @@ class _Tables:
         costs = self.costs.setdefault(kind[:2], [np.zeros((0, 0))])
         groups = self.groups.setdefault(kind[2:], [np.zeros((0, 0))])
         proto = dataclasses.replace(val, times=1.0, deferrable=False)
-        joined = dict(pricing[1]) if pricing is not None and pricing[1] is not None else None
         parts = [np.ones(1)]  # per combined collective the part of a latency it pays, then 1
 
         def group(src, dst):
@@ -430,10 +429,7 @@ class _Tables:
                 return block * times
             g = _filled(groups, lays, rows, cols, group).astype(np.intp)
             if len(parts[0]) != len(self.keys) + 1:
-                parts[0] = np.array(
-                    [pricing[0] if joined is None else joined.get(k, 1.0) for k in self.keys]
-                    + [1.0]
-                )
+                parts[0] = np.array([latency_part(k, pricing) for k in self.keys] + [1.0])
             return (block - prob.model.latency_bytes * (1.0 - parts[0][g])) * times
 
         return sub
