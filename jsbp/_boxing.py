@@ -201,28 +201,43 @@ def conversion_cost(
 @functools.lru_cache(maxsize=1 << 18)
 def _conversion_cost(src, dst, ndim, total, hierarchy, latency_bytes, op_bytes) -> float:
     """``conversion_cost`` of a tensor of rank ``ndim`` and ``total`` bytes (all it depends on)."""
-    terms = lambda *k: _conversion_terms(*k, latency_bytes, op_bytes)
-    cost = 0.0
-    for per_byte, fixed in _best(src, dst, ndim, hierarchy, total, terms)[1]:
-        cost = cost + per_byte * total + fixed
-    return cost
+    lines = conversion_lines(src, dst, ndim, hierarchy, latency_bytes, op_bytes)
+    return float(line_cost(lines, total))
+
+
+def line_cost(lines: np.ndarray, total):
+    """``conversion_cost`` from ``conversion_lines`` (``...`` x paths x 4) at ``total`` bytes (a
+    number, or an array broadcasting against ``lines[..., 0, 0]``): the path ``_best`` picks at
+    that size, priced by its moves' charges."""
+    total = np.asarray(total, dtype=float)[..., None]
+    k = np.argmin(lines[..., 0] * total + lines[..., 1], axis=-1)[..., None]
+    pick = lambda j: np.take_along_axis(lines[..., j], k, axis=-1)[..., 0]
+    return pick(2) * total[..., 0] + pick(3)
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _conversion_terms(src, dst, ndim, hierarchy, latency_bytes, op_bytes):
-    """``_frontier``'s paths, each with its moves' charges for ``conversion_cost``: per move (per
-    byte of the tensor, fixed)."""
-    out = []
-    for ab, path in _frontier(src, dst, ndim, hierarchy):
-        state, terms = list(src), []
-        for mv in path:
-            per_byte = mv.bytes_per_device + _addends_cost(tuple(state), mv, hierarchy)
-            fixed = latency_bytes if mv.collective else move_cost(mv) - mv.bytes_per_device
-            terms.append((per_byte, op_bytes + fixed))
-            for a in mv.axes:
-                state[a] = mv.dst
-        out.append((ab, tuple(terms)))
-    return tuple(out)
+def conversion_lines(src, dst, ndim, hierarchy, latency_bytes, op_bytes) -> np.ndarray:
+    """``_frontier``'s paths as rows (bytes coefficient, fixed cost: what picks the path at a
+    size; per byte, fixed: the path's charges for ``conversion_cost``, summed over its moves: the
+    bytes each receives and its ``_addends_cost`` per byte, ``latency_bytes`` per collective or
+    the move's fixed ``move_cost``, and ``op_bytes`` per move). Read-only."""
+    if src == dst:
+        out = np.zeros((1, 4))
+    else:
+        rows = []
+        for (a, b), path in _frontier(src, dst, ndim, hierarchy):
+            state, per_byte, fixed = list(src), 0.0, 0.0
+            for mv in path:
+                per_byte += mv.bytes_per_device + _addends_cost(tuple(state), mv, hierarchy)
+                fixed += op_bytes + (
+                    latency_bytes if mv.collective else move_cost(mv) - mv.bytes_per_device
+                )
+                for ax in mv.axes:
+                    state[ax] = mv.dst
+            rows.append((a, b, per_byte, fixed))
+        out = np.array(rows, dtype=float)
+    out.flags.writeable = False
+    return out
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -16,12 +16,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import Counter
 
 import numpy as np
 
+from ._boxing import conversion_lines, line_cost
 from ._core import EXACT_TIME_LIMIT_S, exact_core, min_sum, tie
 from ._cost import itemsize
 from ._problem import Problem, latency_part, repeats, through_hub
@@ -353,8 +353,9 @@ class _Tables:
     """Conversion costs of the values of ``prob`` as matrices over layouts, filled as they are
     read and scaled by each value's ``times``. A conversion's cost depends only on the tensor's
     rank and bytes (``_boxing.conversion_cost``), so values of one rank share their layouts' rows
-    and columns, and values of one rank and size one table (``Problem.conversion`` once per pair
-    of layouts). A deferrable value's pricing (``Problem.share`` / ``joined``) takes off part of
+    and columns, and values of one rank and size one table. A pair of layouts' cheapest paths
+    (``_boxing.conversion_lines``: cost linear in the bytes, one line per path) are found once per
+    rank; a table's missing entries are then priced together (``line_cost``). A deferrable value's pricing (``Problem.share`` / ``joined``) takes off part of
     the latency of the combined collective each conversion joins: per shape and item size, a
     table of those collectives (``combined_collective``; -1: none). Kept in ``Problem.cache``:
     ``solve``'s runs share them."""
@@ -366,6 +367,7 @@ class _Tables:
         self.keys: dict = {}  # combined collective -> its index in the group tables
         self.layouts: dict = {}  # rank -> {layout: its row and column}
         self.cols: dict = {}  # ``columns``' arrays
+        self.lines: dict = {}  # rank -> [layouts x layouts x paths x 4: ``conversion_lines``]
         self.made: dict = {}  # (kind, pricing, times) -> ``of``'s functions
 
     def of(self, val, share: float | None = None):
@@ -413,18 +415,23 @@ class _Tables:
         """``sub(rows, cols)``: the block of ``val``'s table, filled where not yet read, its
         combined collectives priced as ``pricing`` (None: not deferrable), scaled by
         ``val.times``."""
-        prob, lays, times = self.prob, self.layouts.setdefault(len(val.shape), {}), val.times
+        prob, rank, times = self.prob, len(val.shape), val.times
+        lays = self.layouts.setdefault(rank, {})
         costs = self.costs.setdefault(kind[:2], [np.zeros((0, 0))])
         groups = self.groups.setdefault(kind[2:], [np.zeros((0, 0))])
-        proto = dataclasses.replace(val, times=1.0, deferrable=False)
         parts = [np.ones(1)]  # per combined collective the part of a latency it pays, then 1
 
-        def group(src, dst):
-            ks = prob.joins(val, src, dst)
-            return self.keys.setdefault(ks[0], len(self.keys)) if ks else -1
+        def cost(a, b):  # the conversions a[i] -> b[i] of a tensor of this rank and size
+            if kind[1] == 0:
+                return np.zeros(len(a))
+            return line_cost(self._lines(rank, a, b), kind[1])
+
+        def group(a, b):
+            nds = list(lays)
+            return [self._group(val, nds[i], nds[j]) for i, j in zip(a.tolist(), b.tolist())]
 
         def sub(rows, cols):
-            block = _filled(costs, lays, rows, cols, lambda s, d: prob.conversion(proto, s, d))
+            block = _filled(costs, lays, rows, cols, cost)
             if pricing is None:
                 return block * times
             g = _filled(groups, lays, rows, cols, group).astype(np.intp)
@@ -434,10 +441,43 @@ class _Tables:
 
         return sub
 
+    def _group(self, val, src, dst) -> int:
+        ks = self.prob.joins(val, src, dst)
+        return self.keys.setdefault(ks[0], len(self.keys)) if ks else -1
+
+    def _lines(self, rank: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """``_boxing.conversion_lines`` of the layout pairs (a[i], b[i]) of tensors of ``rank``
+        (rows and columns of ``_index``), padded to one number of paths (a padding path is never
+        the cheapest)."""
+        lays = self.layouts[rank]
+        entry = self.lines.setdefault(rank, [np.full((0, 0, 1, 4), np.nan)])
+        n, k = len(lays), entry[0].shape[2]
+        if entry[0].shape[0] < n:
+            grown = np.full((2 * n, 2 * n, k, 4), np.nan)
+            grown[: entry[0].shape[0], : entry[0].shape[1]] = entry[0]
+            entry[0] = grown
+        miss = np.isnan(entry[0][a, b, 0, 0])
+        if miss.any():
+            nds, model, hier = list(lays), self.prob.model, self.prob.placement.hierarchy
+            for i, j in set(zip(a[miss].tolist(), b[miss].tolist())):
+                got = conversion_lines(
+                    nds[i], nds[j], rank, hier, model.latency_bytes, model.op_bytes
+                )
+                if len(got) > entry[0].shape[2]:
+                    wide = np.empty(entry[0].shape[:2] + (len(got), 4))
+                    wide[:, :, : entry[0].shape[2]] = entry[0]
+                    wide[:, :, entry[0].shape[2] :] = (np.inf, np.inf, 0.0, 0.0)
+                    entry[0] = wide
+                row = entry[0][i, j]
+                row[:] = (np.inf, np.inf, 0.0, 0.0)
+                row[: len(got)] = got
+        return entry[0][a, b]
+
 
 def _filled(entry, lays, rows, cols, fill) -> np.ndarray:
     """The block ``rows`` x ``cols`` of the table ``entry[0]`` (grown to the layouts ``lays``
-    index), its entries not yet read (NaN) filled by ``fill(src, dst)``."""
+    index), its entries not yet read (NaN) filled by ``fill(srcs, dsts)`` (arrays of rows and
+    columns: their entries)."""
     n = len(lays)
     if entry[0].shape[0] < n:
         grown = np.full((2 * n, 2 * n), np.nan)
@@ -446,9 +486,8 @@ def _filled(entry, lays, rows, cols, fill) -> np.ndarray:
     block = entry[0][rows[:, None], cols]
     miss = np.nonzero(np.isnan(block))
     if len(miss[0]):
-        nds = list(lays)
-        for a, b in set(zip(rows[miss[0]].tolist(), cols[miss[1]].tolist())):
-            entry[0][a, b] = fill(nds[a], nds[b])
+        pairs = np.unique(np.stack([rows[miss[0]], cols[miss[1]]]), axis=1)
+        entry[0][pairs[0], pairs[1]] = fill(pairs[0], pairs[1])
         block = entry[0][rows[:, None], cols]
     return block
 
