@@ -23,7 +23,9 @@ reads the plan's figures:
 
 beside the same two figures of the plan recorded in ``tests/data/plan_costs.json`` (``comm_bytes``,
 ``launched`` and ``collectives``: the recorded plans, the reference the new plans are held to).
-Programs:
+A plan dearer as run is listed with its **predicted step** (``estimate``'s seconds, recorded as
+``seconds``): the cost model's step time, which also counts the compute a layout spreads or
+repeats, what the planner minimizes beside the bytes. Programs:
 
 * **gpt**: ``benchmarks/compiler.py``'s GPT train step (1 block, d_model 64) under DP, TP and
   DPxTP, with and without the hand-written layout hints;
@@ -238,6 +240,7 @@ def recorded(name: str, table: dict) -> dict | None:
         "comm_bytes": r["comm_bytes"],
         "launched": r["launched"],
         "collectives": r["collectives"],
+        "seconds": r.get("seconds"),
     }
 
 
@@ -361,10 +364,16 @@ def dearer_list(results: dict) -> str:
     if not rows:
         return "no program's new plan is dearer than the recorded one"
     rows.sort(key=lambda x: x[1]["as_run"] - x[2]["as_run"])
+
+    def step(old, new):  # the cost model's step time: bytes, latencies and the compute they save
+        if old["seconds"] is None:
+            return ""
+        return f"; predicted step {old['seconds'] * 1e3:.2f} -> {new['seconds'] * 1e3:.2f} ms"
+
     return "\n".join(
         f"* {name}: {old['as_run']:.3f} -> {new['as_run']:.3f} MB-eq "
         f"(+{new['as_run'] - old['as_run']:.3f}), collectives {old['collectives']} -> "
-        f"{new['collectives']}"
+        f"{new['collectives']}{step(old, new)}"
         for name, old, new in rows
     )
 
