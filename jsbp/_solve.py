@@ -355,10 +355,10 @@ class _Tables:
     rank and bytes (``_boxing.conversion_cost``), so values of one rank share their layouts' rows
     and columns, and values of one rank and size one table. A pair of layouts' cheapest paths
     (``_boxing.conversion_lines``: cost linear in the bytes, one line per path) are found once per
-    rank; a table's missing entries are then priced together (``line_cost``). A deferrable value's pricing (``Problem.share`` / ``joined``) takes off part of
-    the latency of the combined collective each conversion joins: per shape and item size, a
-    table of those collectives (``combined_collective``; -1: none). Kept in ``Problem.cache``:
-    ``solve``'s runs share them."""
+    rank; a table's missing entries are then priced together (``line_cost``). A deferrable
+    value's pricing (``Problem.share`` / ``joined``) takes off part of the latency of the combined
+    collective each conversion joins: per shape and item size, a table of those collectives
+    (``combined_collective``; -1: none). Kept in ``Problem.cache``: ``solve``'s runs share them."""
 
     def __init__(self, prob: Problem):
         self.prob = prob
