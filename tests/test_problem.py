@@ -329,6 +329,42 @@ def test_repeated_layers_are_tied_to_their_first_copy():
     _run_and_check(step, (params, x), ref, rtol=1e-4, atol=1e-5)
 
 
+def test_the_solvers_conversion_tables_price_every_pair_as_the_problem_does():
+    """The solver's tables (one per rank and size, filled a block at a time from each pair's
+    paths, ``_boxing.conversion_lines``) against ``Problem.conversion`` one pair at a time: every
+    pair of layouts of every value of a 2-d train step, values of one rank read after another
+    size's table has seen pairs with more paths, deferrable values under both pricings."""
+    params = [
+        (
+            jsbp.tensor(rand(8, 16), placement=R22, sbp=("B", "S(1)")),
+            jsbp.tensor(rand(16, 8), placement=R22, sbp=("B", "S(0)")),
+        )
+    ]
+    x = jsbp.tensor(rand(4, 6, 8), placement=R22, sbp=("S(0)", "B"))
+    prob = _problem_of(_stack(1), params, x)
+    tables = _solve._Tables(prob)
+    per_rank = {}
+    for val in prob.values:
+        r = len(val.shape)
+        if r not in per_rank:
+            xs = [jsbp.sbp.broadcast, jsbp.sbp.partial_sum, *map(jsbp.sbp.split, range(r))]
+            per_rank[r] = list(itertools.product(xs, repeat=2))
+    kinds, deferrable = set(), 0
+    for val in prob.values:
+        lays = per_rank[len(val.shape)]
+        for share in (None, 0.0) if val.deferrable else (None,):
+            kind = (val.shape, val.aval.dtype, val.times, val.deferrable, val.batch, share)
+            if kind in kinds:
+                continue
+            kinds.add(kind)
+            deferrable += val.deferrable
+            index, sub = tables.of(val, share)
+            rows = np.array([index(nd) for nd in lays])
+            want = [[prob.conversion(val, s, d, share) for d in lays] for s in lays]
+            np.testing.assert_allclose(sub(rows, rows), want, rtol=1e-12, atol=1e-6)
+    assert len(per_rank) >= 3 and deferrable >= 2 and len(kinds) >= 8, (per_rank, kinds)
+
+
 @pytest.mark.parametrize("loop", ["scan", "fori_loop"])
 def test_a_loop_result_is_converted_once_after_the_loop(loop):
     """A partial sum accumulated in a loop's carry (the weight gradient of data-parallel steps)
