@@ -451,12 +451,7 @@ class _Tables:
         the cheapest)."""
         lays = self.layouts[rank]
         entry = self.lines.setdefault(rank, [np.full((0, 0, 1, 4), np.nan)])
-        n, k = len(lays), entry[0].shape[2]
-        if entry[0].shape[0] < n:
-            grown = np.full((2 * n, 2 * n, k, 4), np.nan)
-            grown[: entry[0].shape[0], : entry[0].shape[1]] = entry[0]
-            entry[0] = grown
-        miss = np.isnan(entry[0][a, b, 0, 0])
+        miss = np.isnan(_grown(entry, len(lays))[a, b, 0, 0])
         if miss.any():
             nds, model, hier = list(lays), self.prob.model, self.prob.placement.hierarchy
             for i, j in set(zip(a[miss].tolist(), b[miss].tolist())):
@@ -474,16 +469,21 @@ class _Tables:
         return entry[0][a, b]
 
 
+def _grown(entry, n: int) -> np.ndarray:
+    """``entry[0]`` with at least ``n`` rows and columns (twice that once it grows; the new
+    entries NaN: not yet read)."""
+    old = entry[0]
+    if old.shape[0] < n:
+        entry[0] = np.full((2 * n, 2 * n) + old.shape[2:], np.nan)
+        entry[0][: old.shape[0], : old.shape[1]] = old
+    return entry[0]
+
+
 def _filled(entry, lays, rows, cols, fill) -> np.ndarray:
     """The block ``rows`` x ``cols`` of the table ``entry[0]`` (grown to the layouts ``lays``
     index), its entries not yet read (NaN) filled by ``fill(srcs, dsts)`` (arrays of rows and
     columns: their entries)."""
-    n = len(lays)
-    if entry[0].shape[0] < n:
-        grown = np.full((2 * n, 2 * n), np.nan)
-        grown[: entry[0].shape[0], : entry[0].shape[1]] = entry[0]
-        entry[0] = grown
-    block = entry[0][rows[:, None], cols]
+    block = _grown(entry, len(lays))[rows[:, None], cols]
     miss = np.nonzero(np.isnan(block))
     if len(miss[0]):
         pairs = np.unique(np.stack([rows[miss[0]], cols[miss[1]]]), axis=1)
