@@ -168,12 +168,16 @@ def plan(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, .
 
 
 def _best(src, dst, ndim, hierarchy, total, frontier=None):
-    best = None
-    for (a, b), path in (frontier or _frontier)(src, dst, ndim, hierarchy):
-        cost = a * total + b
-        if best is None or cost < best[0] - 1e-9:
-            best = (cost, path)
-    return best
+    """(cost, moves) of the path ``_pick`` picks at ``total`` bytes."""
+    paths = (frontier or _frontier)(src, dst, ndim, hierarchy)
+    k = int(_pick(np.array([a * total + b for (a, b), _ in paths])))
+    return paths[k][0][0] * total + paths[k][0][1], paths[k][1]
+
+
+def _pick(costs: np.ndarray) -> np.ndarray:
+    """The path a conversion runs, of paths costing ``costs`` (last axis): the first within 1e-9
+    byte-equivalents of the cheapest (a tie goes to the path found first)."""
+    return np.argmax(costs <= costs.min(axis=-1, keepdims=True) + 1e-9, axis=-1)
 
 
 def conversion_cost(
@@ -207,10 +211,10 @@ def _conversion_cost(src, dst, ndim, total, hierarchy, latency_bytes, op_bytes) 
 
 def line_cost(lines: np.ndarray, total):
     """``conversion_cost`` from ``conversion_lines`` (``...`` x paths x 4) at ``total`` bytes (a
-    number, or an array broadcasting against ``lines[..., 0, 0]``): the path ``_best`` picks at
+    number, or an array broadcasting against ``lines[..., 0, 0]``): the path ``_pick`` picks at
     that size, priced by its moves' charges."""
     total = np.asarray(total, dtype=float)[..., None]
-    k = np.argmin(lines[..., 0] * total + lines[..., 1], axis=-1)[..., None]
+    k = _pick(lines[..., 0] * total + lines[..., 1])[..., None]
     pick = lambda j: np.take_along_axis(lines[..., j], k, axis=-1)[..., 0]
     return pick(2) * total[..., 0] + pick(3)
 
