@@ -16,9 +16,9 @@
   solver ties to the first copy.
 * **costs**, from one ``CostModel`` (``_cost``): converting a value to a layout its readers need
   costs the boxing planner's bytes per device plus ``latency_bytes`` per collective, once per
-  (value, layout) however many readers share it; a *deferrable* value's conversion (nothing
-  downstream waits for it, or only one loop or branch, at its entry: ``deferrable``) that is one
-  combinable collective (``Problem.joins``) runs combined, one latency per combined collective;
+  (value, layout) however many readers share it; a *deferrable* value's conversion (run with
+  others' before what waits for it: the program's end, a loop's entry, or the contractions its
+  siblings reach too: ``deferrable``) that is one combinable collective (``Problem.joins``) runs combined, one latency per combined collective;
   a value needed in several layouts may reach them through one of them (``Problem.spread``);
   a node costs the work a device does under its candidate (FLOPs of a contraction, one per
   output element otherwise) at the model's rates; an output asked for in a layout (``out_sbp``)
@@ -156,7 +156,7 @@ class Value:
     wants: list = dataclasses.field(default_factory=list)  # layouts asked of it as a program output
     times: float = 1.0  # runs per step of its scope (a loop body's value: the trip count)
     deferrable: bool = False  # its collectives run combined with the others' (``deferrable``)
-    batch: tuple = ()  # which combined collectives: () the program's last, (n,) loop n's inputs
+    batch: tuple = ()  # which combined collectives (``deferrable``): () the program's last
 
     @property
     def shape(self) -> tuple:
@@ -194,20 +194,19 @@ class Problem:
     structure: list = dataclasses.field(default_factory=list, repr=False)
     cache: dict = dataclasses.field(default_factory=dict, repr=False)  # the solver's tables
 
-    # the part of a latency a deferrable value's conversion is charged by ``conversion`` (the
-    # solver's estimate of sharing it; ``cost`` counts one latency per combined collective)
-    share: float = 1.0
-    # the combined collectives (kind, axes) a conversion may join and the part of a latency it pays
-    # there, as (collective, part) pairs; None: all of them at ``share`` (the others charge a
-    # whole latency: joining a collective the plan has costs less than opening one)
+    # how ``conversion`` prices a deferrable value's conversion that joins a combined collective
+    # (the solver's estimate of sharing its latency; ``cost`` counts one latency per combined
+    # collective): (key, part) pairs, a key a combined collective (kind, axes, *batch) or a
+    # ``Value.batch``, the part of a latency a member pays there (the collective's part, else its
+    # batch's, else a whole latency: joining a collective costs less than opening one); None: a
+    # whole latency each
     joined: frozenset | None = None
 
     def conversion(self, val: Value, src: tuple, dst: tuple, share: float | None = None) -> float:
         """Boxing ``val`` from ``src`` to ``dst`` (``_boxing.conversion_cost``: bytes per device,
         ``latency_bytes`` per collective, ``op_bytes`` per move), ``val.times`` times; a
         deferrable value's conversion that joins a combined collective (``combined_collective``)
-        pays ``share`` of its latency (default: ``self.share`` where ``joined`` is None, its
-        part where ``joined`` has that collective, else a whole latency)."""
+        pays ``share`` of its latency (default: as ``joined`` prices it)."""
         if src == dst:
             return 0.0
         latency = self.model.latency_bytes
@@ -221,8 +220,8 @@ class Problem:
 
     def pricing(self, share: float | None = None) -> tuple:
         """The pricing of deferrable conversions ``latency_part`` reads: (``share``, None) where
-        ``share`` is given, else (``self.share``, ``self.joined``)."""
-        return (share, None) if share is not None else (self.share, self.joined)
+        ``share`` is given, else (1, ``self.joined``)."""
+        return (share, None) if share is not None else (1.0, self.joined)
 
     def layout(self, val: Value, choice) -> tuple:
         if val.producer is None:
@@ -276,15 +275,19 @@ class Problem:
 
 def latency_part(k, pricing: tuple) -> float:
     """The part of combined collective ``k``'s latency one member conversion pays under
-    ``pricing`` (``Problem.pricing``): its share where nothing is joined, else its part where the
-    joined plan has ``k``, a whole latency where it does not."""
+    ``pricing`` (``Problem.pricing``): its share where nothing is joined, else its part where
+    ``joined`` has ``k``, else its batch's part (``k[2:]``), else a whole latency."""
     share, joined = pricing
-    return share if joined is None else _parts(joined).get(k, 1.0)
+    if joined is None:
+        return share
+    parts = _parts(joined)
+    return parts.get(k, parts.get(k[2:], 1.0))
 
 
 @functools.lru_cache(maxsize=64)
 def _parts(joined: frozenset) -> dict:
-    """``Problem.joined`` as a dict: combined collective -> the part of its latency a member pays."""
+    """``Problem.joined`` as a dict: combined collective or batch -> the part of a latency a member
+    pays."""
     return dict(joined)
 
 
@@ -657,37 +660,65 @@ CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def deferrable(nodes, values) -> None:
-    """Mark the values whose conversions run as one combined collective: those from which no
-    contraction (``CONTRACTIONS``), loop or branch can be reached, outside loops (a weight
-    gradient on its way through the optimizer to the outputs; a loss), and read by no node inside
-    a call's program (``_combine`` groups the top-level conversions only). Nothing downstream of
-    them waits for a collective's result, so ``_combine`` puts their collectives of one kind in
-    one group: ``Problem.cost`` charges one latency per group, not per conversion. Likewise the
-    values outside loops read only by one top-level loop or branch, as its inputs: ``_combine``
-    runs their conversions of one kind together, right before it (``Value.batch``: that loop)."""
-    blocks = [False] * len(nodes)  # whether a contraction, loop or branch is reachable from u
-    for u in range(len(nodes) - 1, -1, -1):
-        n = nodes[u]
-        blocks[u] = (
-            n.kind == "hold"
-            or (n.eqn is not None and n.eqn.primitive.name in CONTRACTIONS)
-            or any(val is not None and any(blocks[w] for w, _ in val.uses) for val in n.outputs)
-        )
-    late = [
-        val
-        for val in values
-        if val.times == 1.0
-        and (val.uses or val.wants)
-        and not any(blocks[w] or nodes[w].nested for w, _ in val.uses)
+    """Mark the values whose conversions run as one combined collective (``_combine``), and
+    which one (``Value.batch``). Only values outside loops (``times`` one) read by no node inside
+    a call's program (``_combine`` groups the top-level conversions only) qualify, each by the
+    first thing that waits for it:
+
+    * nothing: no contraction (``CONTRACTIONS``), loop or branch can be reached from it (a weight
+      gradient on its way through the optimizer to the outputs; a loss). Their collectives of one
+      kind are one group, the program's last: ``batch`` ().
+    * one top-level loop or branch, which reads it as an input: its conversions of one kind run
+      together right before it: ``batch`` (that loop's entry node,).
+    * made by a reduction or a contraction (a partial sum's makers), the contractions, loops and
+      branches first reached from it (its *front*). Values of one front and one reduction depth (``_depths``: BatchNorm's mean and mean of squares, not a
+      layer norm's mean and the variance made from it) are made before any of them is needed:
+      ``batch`` (front, depth).
+
+    ``Problem.cost`` charges one latency per group, not per conversion."""
+    stops = [
+        n.kind == "hold" or (n.eqn is not None and n.eqn.primitive.name in CONTRACTIONS)
+        for n in nodes
     ]
-    for val in late:
-        val.deferrable = True
+    fronts = [frozenset()] * len(nodes)  # the contractions, loops and branches first reached from u
+
+    def front(val) -> frozenset:
+        return frozenset().union(*({w} if stops[w] else fronts[w] for w, _ in val.uses))
+
+    for u in range(len(nodes) - 1, -1, -1):
+        fronts[u] = frozenset().union(*(front(val) for val in nodes[u].outputs if val is not None))
+    depths, reduces = _depths(nodes)
     for val in values:
-        if val.deferrable or val.times != 1.0 or val.wants or not val.uses:
+        if val.times != 1.0 or not (val.uses or val.wants):
             continue
-        loops = {nodes[w].entry if i == 0 and not nodes[w].nested else None for w, i in val.uses}
-        if len(loops) == 1 and None not in loops:
+        if any(nodes[w].nested for w, _ in val.uses):
+            continue
+        first = front(val)
+        loops = {nodes[w].entry if i == 0 else None for w, i in val.uses}
+        if not first:
+            val.deferrable = True
+        elif len(loops) == 1 and None not in loops and not val.wants:
             val.deferrable, val.batch = True, (loops.pop(),)
+        elif val.producer is not None and not val.wants and reduces[val.producer[0]]:
+            val.deferrable, val.batch = True, (first, depths[val.producer[0]])
+
+
+def _depths(nodes) -> tuple[list[int], list[bool]]:
+    """Per node, the most reductions (``reduce_*``, ``argmax``, ``argmin``) on a path of the
+    program to it (itself included: a value reduced from another reduction's result is deeper),
+    and whether it is a reduction or a contraction (what makes a partial sum)."""
+    made = {}  # value id -> depth of its producer
+    depths, reduces = [], []
+    for n in nodes:
+        d = max((made.get(id(v), 0) for v in n.operands if v is not None), default=0)
+        name = n.eqn.primitive.name if n.eqn is not None else ""
+        r = name.startswith("reduce_") or name in ("argmax", "argmin")
+        depths.append(d + r)
+        reduces.append(r or name in CONTRACTIONS)
+        for v in n.outputs:
+            if v is not None:
+                made[id(v)] = d + r
+    return depths, reduces
 
 
 REPEAT_MIN_NODES = 16

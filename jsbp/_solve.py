@@ -356,7 +356,7 @@ class _Tables:
     and columns, and values of one rank and size one table. A pair of layouts' cheapest paths
     (``_boxing.conversion_lines``: cost linear in the bytes, one line per path) are found once per
     rank; a table's missing entries are then priced together (``line_cost``). A deferrable
-    value's pricing (``Problem.share`` / ``joined``) takes off part of the latency of the combined
+    value's pricing (``Problem.joined``) takes off part of the latency of the combined
     collective each conversion joins: per shape and item size, a table of those collectives
     (``combined_collective``; -1: none). Kept in ``Problem.cache``: ``solve``'s runs share them."""
 
@@ -707,7 +707,8 @@ def solve(prob: Problem) -> list[int]:
     (``EXACT_MAX_VARS``); else elimination (``eliminate``) under three pricings of the deferrable
     conversions, the cheapest answer by ``Problem.cost`` polished by local search: a whole latency
     each; a part of one where they join a combined collective that first plan has (one over its
-    members there), a whole one where they open another; a share anywhere (one over their number).
+    members there), a whole one where they open another; a share anywhere (one over the number of
+    deferrable values of their ``Value.batch``).
     Then, while it improves, elimination again priced from the best plan so far (its combined
     collectives, each member a part), polished: a plan whose groups differ from the first's (a
     pricing already run is not run again: elimination would give the same answer)."""
@@ -722,10 +723,9 @@ def solve(prob: Problem) -> list[int]:
         prob.joined = _parts(prob, first, late)
         priced.add(prob.joined)
         tries.append(eliminate(prob))
-        prob.joined = None
-        prob.share = 1.0 / len(late)
+        prob.joined = frozenset((b, 1.0 / n) for b, n in Counter(v.batch for v in late).items())
         tries.append(eliminate(prob))
-        prob.share = 1.0
+        prob.joined = None
     best = local_search(prob, min(tries, key=prob.cost))
     best_cost = prob.cost(best)
     for _ in range(REPRICINGS if late else 0):

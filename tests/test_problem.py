@@ -417,3 +417,46 @@ def test_a_loops_inputs_are_priced_as_the_one_collective_that_gathers_them(loop)
     want = sum(np.sort(w1v)[0] * xi + np.sort(w2v)[-1] for xi in xv)
     _run_and_check(f, (w1, w2, x), want)
     assert jsbp.debug.estimate(jsbp.jit(f), w1, w2, x).collectives == 1
+
+
+def test_sibling_statistics_are_priced_as_the_one_all_reduce_that_runs_them():
+    """Batch statistics under data parallelism: the mean and the mean of squares of a batch-split
+    activation are two partial sums of one reduction depth, first needed by the same contraction,
+    so ``_combine`` all-reduces them as one collective and the problem prices them so (one
+    ``Value.batch``): the plan reduces the two small statistics rather than gathering the
+    activation. A layer norm's variance, made from its all-reduced mean, is a reduction deeper
+    and is priced as a collective of its own."""
+    P8 = jsbp.placement("cpu", list(range(8)))
+    xv, wv = rand(64, 32), rand(32, 16)
+    x = jsbp.tensor(xv, placement=P8, sbp="S(0)")
+    w = jsbp.tensor(wv, placement=P8, sbp="B")
+
+    def batch_norm(x, w):
+        mean, mean_sq = x.mean(0), (x * x).mean(0)
+        return ((x - mean) * jax.lax.rsqrt(mean_sq - mean * mean + 1e-5)) @ w
+
+    def layer_norm(x, w):
+        mean = x.mean(1, keepdims=True)
+        return ((x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(1, keepdims=True) + 1e-5)) @ w
+
+    prob = _problem_of(batch_norm, x, w)
+    sums = [
+        v
+        for v in prob.values
+        if v.producer and prob.nodes[v.producer[0]].eqn.primitive.name == "reduce_sum"
+    ]
+    assert len(sums) == 2 and all(v.deferrable for v in sums) and sums[0].batch == sums[1].batch
+    ln = _problem_of(layer_norm, jsbp.tensor(xv, placement=P8, sbp="S(1)"), w)
+    ln_sums = [
+        v
+        for v in ln.values
+        if v.producer and ln.nodes[v.producer[0]].eqn.primitive.name == "reduce_sum"
+    ]
+    assert len(ln_sums) == 2 and ln_sums[0].batch != ln_sums[1].batch
+
+    mean = xv.mean(0)
+    want = ((xv - mean) / np.sqrt((xv * xv).mean(0) - mean * mean + 1e-5)) @ wv
+    _run_and_check(batch_norm, (x, w), want, rtol=1e-4, atol=1e-4)
+    counts = jsbp.debug.count_collectives(jsbp.jit(batch_norm), x, w)
+    assert {k: v for k, v in counts.items() if v} == {"all-reduce": 1}
+    assert jsbp.debug.estimate(jsbp.jit(batch_norm), x, w).collectives == 1
