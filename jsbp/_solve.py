@@ -691,10 +691,6 @@ def eliminate(prob: Problem) -> list[int]:
     return [choice[rep[u]] for u in range(len(prob.nodes))]
 
 
-REPRICINGS = 4
-"""Most re-runs of elimination priced from the best plan so far (``solve``)."""
-
-
 def _parts(prob: Problem, choice, late) -> frozenset:
     """The combined collectives ``choice`` runs, each with the part of its latency a member pays
     (one over its members)."""
@@ -708,37 +704,17 @@ def solve(prob: Problem) -> list[int]:
     conversions, the cheapest answer by ``Problem.cost`` polished by local search: a whole latency
     each; a part of one where they join a combined collective that first plan has (one over its
     members there), a whole one where they open another; a share anywhere (one over the number of
-    deferrable values of their ``Value.batch``).
-    Then, while it improves, elimination again priced from the best plan so far (its combined
-    collectives, each member a part), polished: a plan whose groups differ from the first's (a
-    pricing already run is not run again: elimination would give the same answer)."""
+    deferrable values of their ``Value.batch``)."""
     best = exact(prob, max_vars=EXACT_MAX_VARS)
     if best is not None:  # (its model charges a value each layout from the made one: no hubs)
         return local_search(prob, best)
     late = [v for v in prob.values if v.deferrable]
     first = eliminate(prob)
     tries = [first]
-    priced = set()
     if late:
         prob.joined = _parts(prob, first, late)
-        priced.add(prob.joined)
         tries.append(eliminate(prob))
         prob.joined = frozenset((b, 1.0 / n) for b, n in Counter(v.batch for v in late).items())
         tries.append(eliminate(prob))
         prob.joined = None
-    best = local_search(prob, min(tries, key=prob.cost))
-    best_cost = prob.cost(best)
-    for _ in range(REPRICINGS if late else 0):
-        prob.joined = _parts(prob, best, late)
-        if prob.joined in priced:
-            prob.joined = None
-            break
-        priced.add(prob.joined)
-        again = eliminate(prob)
-        prob.joined = None
-        again = local_search(prob, again)
-        cost = prob.cost(again)
-        if cost >= best_cost - 1e-6:
-            break
-        best, best_cost = again, cost
-    return best
+    return local_search(prob, min(tries, key=prob.cost))
