@@ -364,11 +364,14 @@ class _Tables:
         self.prob = prob
         self.costs: dict = {}  # (rank, bytes) -> [table]
         self.groups: dict = {}  # (shape, item size) -> [table of collectives' indices]
-        self.keys: dict = {}  # combined collective -> its index in the group tables
+        self.keys: dict = {}  # combined collective (kind, axes) -> its index in the group tables
+        self.order: list = []  # the combined collectives by index
         self.layouts: dict = {}  # rank -> {layout: its row and column}
         self.cols: dict = {}  # ``columns``' arrays
         self.lines: dict = {}  # rank -> [layouts x layouts x paths x 4: ``conversion_lines``]
         self.made: dict = {}  # (kind, pricing, times) -> ``of``'s functions
+        self.parts: dict = {}  # (pricing, batch) -> [per collective of ``keys``: its part]
+        self.part_arrays: dict = {}  # (pricing, batch) -> ``_parts``' array
 
     def of(self, val, share: float | None = None):
         """Functions of ``val``'s kind: ``index(nd)``, a layout's row and column, and
@@ -418,8 +421,7 @@ class _Tables:
         prob, rank, times = self.prob, len(val.shape), val.times
         lays = self.layouts.setdefault(rank, {})
         costs = self.costs.setdefault(kind[:2], [np.zeros((0, 0))])
-        groups = self.groups.setdefault(kind[2:], [np.zeros((0, 0))])
-        parts = [np.ones(1)]  # per combined collective the part of a latency it pays, then 1
+        groups = self.groups.setdefault(kind[2:4], [np.zeros((0, 0))])
 
         def cost(a, b):  # the conversions a[i] -> b[i] of a tensor of this rank and size
             if kind[1] == 0:
@@ -435,15 +437,31 @@ class _Tables:
             if pricing is None:
                 return block * times
             g = _filled(groups, lays, rows, cols, group).astype(np.intp)
-            if len(parts[0]) != len(self.keys) + 1:
-                parts[0] = np.array([latency_part(k, pricing) for k in self.keys] + [1.0])
-            return (block - prob.model.latency_bytes * (1.0 - parts[0][g])) * times
+            parts = self._parts(pricing, val.batch)
+            return (block - prob.model.latency_bytes * (1.0 - parts[g])) * times
 
         return sub
 
+    def _parts(self, pricing, batch) -> np.ndarray:
+        """Per combined collective (kind, axes) of ``keys``, the part of a latency a member of its
+        ``batch`` pays under ``pricing``, then a 1 (index -1: none); grown as keys are added."""
+        at = (pricing, batch)
+        have = self.parts.get(at, [])
+        if at not in self.part_arrays or len(have) != len(self.order):
+            have = have + [latency_part(k + batch, pricing) for k in self.order[len(have) :]]
+            self.parts[at] = have
+            self.part_arrays[at] = np.array(have + [1.0])
+        return self.part_arrays[at]
+
     def _group(self, val, src, dst) -> int:
         ks = self.prob.joins(val, src, dst)
-        return self.keys.setdefault(ks[0], len(self.keys)) if ks else -1
+        if not ks:
+            return -1
+        k = ks[0][:2]  # (kind, axes), without the value's batch
+        if k not in self.keys:
+            self.keys[k] = len(self.order)
+            self.order.append(k)
+        return self.keys[k]
 
     def _lines(self, rank: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """``_boxing.conversion_lines`` of the layout pairs (a[i], b[i]) of tensors of ``rank``
