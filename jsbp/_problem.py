@@ -18,7 +18,8 @@
   costs the boxing planner's bytes per device plus ``latency_bytes`` per collective, once per
   (value, layout) however many readers share it; a *deferrable* value's conversion (run with
   others' before what waits for it: the program's end, a loop's entry, or the contractions its
-  siblings reach too: ``deferrable``) that is one combinable collective (``Problem.joins``) runs combined, one latency per combined collective;
+  siblings reach too: ``deferrable``) that is one combinable collective (``Problem.joins``) runs
+  combined, one latency per combined collective;
   a value needed in several layouts may reach them through one of them (``Problem.spread``);
   a node costs the work a device does under its candidate (FLOPs of a contraction, one per
   output element otherwise) at the model's rates; an output asked for in a layout (``out_sbp``)
@@ -671,9 +672,9 @@ def deferrable(nodes, values) -> None:
     * one top-level loop or branch, which reads it as an input: its conversions of one kind run
       together right before it: ``batch`` (that loop's entry node,).
     * made by a reduction or a contraction (a partial sum's makers), the contractions, loops and
-      branches first reached from it (its *front*). Values of one front and one reduction depth (``_depths``: BatchNorm's mean and mean of squares, not a
-      layer norm's mean and the variance made from it) are made before any of them is needed:
-      ``batch`` (front, depth).
+      branches first reached from it (its *front*). Values of one front and one reduction depth
+      (``_depths``: BatchNorm's mean and mean of squares, not a layer norm's mean and the
+      variance made from it) are made before any of them is needed: ``batch`` (front, depth).
 
     ``Problem.cost`` charges one latency per group, not per conversion."""
     stops = [

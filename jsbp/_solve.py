@@ -370,8 +370,7 @@ class _Tables:
         self.cols: dict = {}  # ``columns``' arrays
         self.lines: dict = {}  # rank -> [layouts x layouts x paths x 4: ``conversion_lines``]
         self.made: dict = {}  # (kind, pricing, times) -> ``of``'s functions
-        self.parts: dict = {}  # (pricing, batch) -> [per collective of ``keys``: its part]
-        self.part_arrays: dict = {}  # (pricing, batch) -> ``_parts``' array
+        self.parts: dict = {}  # (pricing, batch) -> ``_parts``' array
 
     def of(self, val, share: float | None = None):
         """Functions of ``val``'s kind: ``index(nd)``, a layout's row and column, and
@@ -446,12 +445,12 @@ class _Tables:
         """Per combined collective (kind, axes) of ``keys``, the part of a latency a member of its
         ``batch`` pays under ``pricing``, then a 1 (index -1: none); grown as keys are added."""
         at = (pricing, batch)
-        have = self.parts.get(at, [])
-        if at not in self.part_arrays or len(have) != len(self.order):
-            have = have + [latency_part(k + batch, pricing) for k in self.order[len(have) :]]
-            self.parts[at] = have
-            self.part_arrays[at] = np.array(have + [1.0])
-        return self.part_arrays[at]
+        have = self.parts.get(at)
+        if have is None or len(have) != len(self.order) + 1:
+            n = 0 if have is None else len(have) - 1
+            more = [latency_part(k + batch, pricing) for k in self.order[n:]]
+            have = self.parts[at] = np.concatenate([[] if have is None else have[:-1], more, [1.0]])
+        return have
 
     def _group(self, val, src, dst) -> int:
         ks = self.prob.joins(val, src, dst)
