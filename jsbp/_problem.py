@@ -51,18 +51,8 @@ from .rules._registry import RuleContext
 B = _sbp.broadcast
 
 CALLS = frozenset(
-    {
-        "jit",
-        "pjit",
-        "closed_call",
-        "core_call",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-        "remat",
-        "checkpoint",
-        "custom_lin",
-    }
+    "jit pjit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat "
+    "checkpoint custom_lin".split()
 )
 """Call-like primitives: their jaxpr is inlined into the caller's problem."""
 
