@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 
@@ -365,12 +366,11 @@ class _Tables:
         self.costs: dict = {}  # (rank, bytes) -> [table]
         self.groups: dict = {}  # (shape, item size) -> [table of collectives' indices]
         self.keys: dict = {}  # combined collective (kind, axes) -> its index in the group tables
-        self.order: list = []  # the combined collectives by index
         self.layouts: dict = {}  # rank -> {layout: its row and column}
         self.cols: dict = {}  # ``columns``' arrays
         self.lines: dict = {}  # rank -> [layouts x layouts x paths x 4: ``conversion_lines``]
         self.made: dict = {}  # (kind, pricing, times) -> ``of``'s functions
-        self.parts: dict = {}  # (pricing, batch) -> ``_parts``' array
+        self.parts: dict = {}  # (pricing, batch) -> ``_member_parts``' array
 
     def of(self, val, share: float | None = None):
         """Functions of ``val``'s kind: ``index(nd)``, a layout's row and column, and
@@ -436,19 +436,19 @@ class _Tables:
             if pricing is None:
                 return block * times
             g = _filled(groups, lays, rows, cols, group).astype(np.intp)
-            parts = self._parts(pricing, val.batch)
+            parts = self._member_parts(pricing, val.batch)
             return (block - prob.model.latency_bytes * (1.0 - parts[g])) * times
 
         return sub
 
-    def _parts(self, pricing, batch) -> np.ndarray:
+    def _member_parts(self, pricing, batch) -> np.ndarray:
         """Per combined collective (kind, axes) of ``keys``, the part of a latency a member of its
         ``batch`` pays under ``pricing``, then a 1 (index -1: none); grown as keys are added."""
         at = (pricing, batch)
         have = self.parts.get(at)
-        if have is None or len(have) != len(self.order) + 1:
+        if have is None or len(have) != len(self.keys) + 1:
             n = 0 if have is None else len(have) - 1
-            more = [latency_part(k + batch, pricing) for k in self.order[n:]]
+            more = [latency_part(k + batch, pricing) for k in itertools.islice(self.keys, n, None)]
             have = self.parts[at] = np.concatenate([[] if have is None else have[:-1], more, [1.0]])
         return have
 
@@ -456,11 +456,7 @@ class _Tables:
         ks = self.prob.joins(val, src, dst)
         if not ks:
             return -1
-        k = ks[0][:2]  # (kind, axes), without the value's batch
-        if k not in self.keys:
-            self.keys[k] = len(self.order)
-            self.order.append(k)
-        return self.keys[k]
+        return self.keys.setdefault(ks[0][:2], len(self.keys))  # (kind, axes), without the batch
 
     def _lines(self, rank: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """``_boxing.conversion_lines`` of the layout pairs (a[i], b[i]) of tensors of ``rank``
@@ -708,7 +704,7 @@ def eliminate(prob: Problem) -> list[int]:
     return [choice[rep[u]] for u in range(len(prob.nodes))]
 
 
-def _parts(prob: Problem, choice, late) -> frozenset:
+def _plan_parts(prob: Problem, choice, late) -> frozenset:
     """The combined collectives ``choice`` runs, each with the part of its latency a member pays
     (one over its members)."""
     members = Counter(g for v in late for g in prob.groups(v, choice))
@@ -729,7 +725,7 @@ def solve(prob: Problem) -> list[int]:
     first = eliminate(prob)
     tries = [first]
     if late:
-        prob.joined = _parts(prob, first, late)
+        prob.joined = _plan_parts(prob, first, late)
         tries.append(eliminate(prob))
         prob.joined = frozenset((b, 1.0 / n) for b, n in Counter(v.batch for v in late).items())
         tries.append(eliminate(prob))
