@@ -1,6 +1,6 @@
 """The pairwise model's core: what ``_solve.eliminate`` leaves (nodes of three or more
 neighbours), solved exactly as a local-polytope MILP (``exact_core``) or by min-sum message passing
-(``min_sum``); and the model with repeated layers' copies folded into their first copy (``tie``).
+(``min_sum``).
 
 A pairwise model is ``unary`` (per node, an array of its candidates' costs) and ``adj`` (per node,
 neighbour -> the cost matrix of the pair, rows the node's candidates).
@@ -208,31 +208,3 @@ def min_sum(
     if best is None:
         best = {u: int(np.argmin(unary[u])) for u in core}
     return _icm(core, unary, adj, best)
-
-
-def tie(unary, adj, rep):
-    """The pairwise model with each node's copies (``rep``: per node the node it copies) folded
-    into it: their costs added to its own, an edge between two copies of one node its diagonal
-    (both choose alike); the copies left with no cost and no neighbour."""
-    if all(r == u for u, r in enumerate(rep)):
-        return unary, adj
-    unary = list(unary)
-    tied: list[dict] = [{} for _ in adj]
-    for u, r in enumerate(rep):
-        if r != u:
-            unary[r] = unary[r] + unary[u]
-    for u, r in enumerate(rep):
-        if r != u:
-            unary[u] = np.zeros_like(unary[u])
-        for w, m in adj[u].items():
-            if u > w:
-                continue
-            a, b = r, rep[w]
-            if a == b:
-                unary[a] = unary[a] + np.diagonal(m)
-                continue
-            if a > b:
-                a, b, m = b, a, m.T
-            tied[a][b] = tied[a][b] + m if b in tied[a] else m
-            tied[b][a] = tied[a][b].T
-    return unary, tied

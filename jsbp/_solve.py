@@ -7,7 +7,7 @@
   conversion runs once) and ``g[k] >= z`` for each combined collective ``k`` a deferrable
   value's conversion joins (one latency per group);
 * **elimination** (``eliminate``) otherwise: the problem as a pairwise model (``_pairwise``),
-  the copies of repeated layers tied to their first copy (``_core.tie``, ``_problem.repeats``),
+  the copies of repeated layers folded into their first copy (``_problem.repeats``),
   nodes of one or two neighbours eliminated exactly, the core left solved as a local-polytope
   MILP (``_core.exact_core``) or by min-sum message passing (``_core.min_sum``), run under
   three pricings of the deferrable values (``solve``);
@@ -23,7 +23,7 @@ from collections import Counter
 import numpy as np
 
 from ._boxing import conversion_lines, line_cost
-from ._core import EXACT_TIME_LIMIT_S, exact_core, min_sum, tie
+from ._core import EXACT_TIME_LIMIT_S, exact_core, min_sum
 from ._cost import itemsize
 from ._problem import Problem, latency_part, repeats, through_hub
 
@@ -389,6 +389,16 @@ class _Tables:
             hit = self.made[(kind, pricing, val.times)] = (index, sub)
         return hit
 
+    def klass(self, val, by_batch: dict) -> tuple:
+        """What ``of(val)``'s table is priced by: values of one class have equal tables (a
+        deferrable value's batch enters only through the parts of ``Problem.joined`` it reads,
+        ``by_batch``: per batch the entries naming it)."""
+        size = itemsize(val.aval.dtype)
+        kind = (len(val.shape), math.prod(val.shape) * size, val.times)
+        if not val.deferrable:
+            return kind
+        return kind + (val.shape, size, by_batch.get(val.batch))
+
     def columns(self, val, cands, side: int, pos: int) -> np.ndarray:
         """The rows (``index``) of the layouts ``cands`` (a node's candidates) give operand
         (``side`` 0) or result (``side`` 1) ``pos``, the value ``val``; one array per list of
@@ -507,37 +517,76 @@ def _filled(entry, lays, rows, cols, fill) -> np.ndarray:
 
 def _pairwise(prob: Problem):
     """The problem as unary costs per node and cost matrices per pair of nodes (a pairwise model),
-    for ``eliminate``. A value read by one node is an edge from its producer to that node; a value
-    read by several (or asked as an output as well) gets a *hub*: an extra node choosing the one
-    layout the value is converted to first, each reader converting from there. Exact where the
-    readers agree (one conversion, paid once); otherwise an upper bound of ``Problem.cost``."""
+    for ``eliminate``. A value read by one node is an edge from its producer to that node; a
+    value read by several (or asked as an output as well) gets a *hub*: an extra node choosing
+    the one layout the value is converted to first, each reader converting from there. Exact
+    where the readers agree (one conversion, paid once); otherwise an upper bound of
+    ``Problem.cost``. The copies of repeated layers (``_repeats``) are folded into their first
+    copy: their work and conversions are its own, so that they choose alike; a copy keeps no
+    cost and no neighbour."""
+    rep = _repeats(prob)
     static = prob.cache.get("pairwise")
     if static is None:  # the values whose pricing does not change between ``solve``'s runs
         unary = [np.asarray(n.compute, dtype=float).copy() for n in prob.nodes]
+        for u, r in enumerate(rep):  # a copy's work is its first copy's, chosen once for both
+            if r != u:
+                unary[r], unary[u] = unary[r] + unary[u], np.zeros_like(unary[u])
         adj: list[dict] = [{} for _ in prob.nodes]
-        hubs: list = []
-        _add_values(prob, [v for v in prob.values if not v.deferrable], unary, adj, hubs)
+        hubs: dict = {}
+        _add_values(prob, [v for v in prob.values if not v.deferrable], unary, adj, hubs, rep)
         static = prob.cache["pairwise"] = (unary, adj, hubs)
     unary = list(static[0])  # (arrays never changed in place: ``eliminate`` reuses its steps)
     adj = [dict(a) for a in static[1]]
-    hubs = list(static[2])
-    _add_values(prob, [v for v in prob.values if v.deferrable], unary, adj, hubs)
-    return unary, adj, hubs
+    _add_values(prob, [v for v in prob.values if v.deferrable], unary, adj, dict(static[2]), rep)
+    return unary, adj
 
 
-def _add_values(prob: Problem, values, unary, adj, hubs) -> None:
-    """Add the conversions of ``values`` to the pairwise model (``unary``, ``adj``), in place;
-    each hub added to ``hubs`` as (its node, its value, its candidates' rows)."""
+def _repeats(prob: Problem) -> list[int]:
+    """``_problem.repeats`` of the problem's nodes, kept in ``Problem.cache``."""
+    rep = prob.cache.get("repeats")
+    if rep is None:
+        rep = prob.cache["repeats"] = repeats(prob.nodes)
+    return rep
+
+
+def _add_values(prob: Problem, values, unary, adj, hubs, rep) -> None:
+    """Add the conversions of ``values`` to the pairwise model (``unary``, ``adj``, ``hubs``:
+    per output of a node, the first hub of the values it makes and that hub's rows), in place,
+    each reader and producer taken as the first of its copies (``rep``). Values of one class add
+    up to one of them times their number, priced once: one table (``_Tables.klass``), made by
+    copies of one node's output (an input: itself alone), read by copies of the same operands and
+    asked as the same outputs. The values one node's copies make share a hub where their rows
+    agree."""
     nodes = prob.nodes
     tables = prob.cache.setdefault("tables", _Tables(prob))
 
     def edge(u, w, m):
+        if u == w:  # a copy of the node reads it: both choose alike
+            unary[u] = unary[u] + np.diagonal(m)
+            return
         adj[u][w] = adj[u][w] + m if w in adj[u] else m
         adj[w][u] = adj[u][w].T
 
+    by_batch: dict = {}  # batch -> the entries of ``Problem.joined`` its values' pricing reads
+    for e in prob.joined or ():
+        for b in (e[0], e[0][2:]):
+            by_batch[b] = by_batch.get(b, frozenset()) | {e}
+    count: dict = {}  # class -> how many values
+    keyed = []
     for val in values:
         if not val.uses and not val.wants:
             continue
+        at = ("in", id(val)) if val.producer is None else (rep[val.producer[0]], val.producer[1])
+        readers = tuple(sorted((rep[u], i) for u, i in val.uses))
+        key = (tables.klass(val, by_batch), at, readers, tuple(val.wants))
+        count[key] = count.get(key, 0) + 1
+        keyed.append((key, val))
+    done: set = set()
+    for key, val in keyed:
+        if key in done:  # a later copy: added with the first
+            continue
+        done.add(key)
+        times = count[key]
         readers: dict = {}  # node -> its operand indices reading val
         for u, i in val.uses:
             readers.setdefault(u, []).append(i)
@@ -551,6 +600,7 @@ def _add_values(prob: Problem, values, unary, adj, hubs) -> None:
         else:
             p, j = val.producer
             src = tables.columns(val, nodes[p].cands, 1, j)
+            p = rep[p]
         asked = {
             u: [tables.columns(val, nodes[u].cands, 0, i) for i in dict.fromkeys(ii)]
             for u, ii in readers.items()
@@ -558,32 +608,42 @@ def _add_values(prob: Problem, values, unary, adj, hubs) -> None:
         want = idx(val.wants)
         every = np.unique(np.concatenate([src, want, *(c for cs in asked.values() for c in cs)]))
 
-        def reads(u, rows, asked=asked, sub=sub):  # (rows, u's candidates): to what u reads
+        def reads(u, rows, asked=asked, sub=sub, times=times):  # (rows, u's candidates)
             cols = asked[u]
             m = sub(rows, cols[0])
             for k in range(1, len(cols)):  # two operands reading val: a second layout only
                 extra = sub(rows, cols[k])
                 m = m + np.where(cols[k][None, :] == cols[0][None, :], 0.0, extra)
-            return m
+            return m * times if times > 1 else m
+
+        def out(rows, cols, sub=sub, times=times):
+            m = sub(rows, cols)
+            return m * times if times > 1 else m
 
         if p is None and len(readers) <= 1:
             for u in readers:
-                unary[u] = unary[u] + reads(u, src)[0]
+                unary[rep[u]] = unary[rep[u]] + reads(u, src)[0]
             continue
         if p is not None and len(readers) + bool(val.wants) <= 1:
             if val.wants:
-                unary[p] = unary[p] + sub(src, want).sum(1)
+                unary[p] = unary[p] + out(src, want).sum(1)
             for u in readers:
-                edge(p, u, reads(u, src))
+                edge(p, rep[u], reads(u, src))
             continue
         h = len(unary)
-        hubs.append((h, val, every))
-        unary.append(sub(every, want).sum(1) + (sub(src, every)[0] if p is None else 0.0))
-        adj.append({})
+        if p is not None:  # the values one node's output makes: one hub where their rows agree
+            first = hubs.setdefault((p, val.producer[1]), (h, every))
+            h = first[0] if np.array_equal(first[1], every) else h
+        if h == len(unary):
+            unary.append(np.zeros(len(every)))
+            adj.append({})
         if p is not None:
-            edge(p, h, sub(src, every))
+            edge(p, h, out(src, every))
+        else:
+            unary[h] = unary[h] + out(src, every)[0]
+        unary[h] = unary[h] + out(every, want).sum(1)
         for u in readers:
-            edge(h, u, reads(u, every))
+            edge(h, rep[u], reads(u, every))
 
 
 CHAIN_MAX = 1 << 22
@@ -603,19 +663,7 @@ def eliminate(prob: Problem) -> list[int]:
     becomes an edge between them (parallel edges add up); what is left, nodes of three or more
     neighbours, is solved exactly (``_core.exact_core``) or by min-sum (``_core.min_sum``); then the
     eliminated nodes take their recorded best candidates, last eliminated first."""
-    unary, adj, hubs = _pairwise(prob)
-    rep = prob.cache.get("repeats")
-    if rep is None:
-        rep = prob.cache["repeats"] = repeats(prob.nodes)
-    rep = rep + list(range(len(rep), len(unary)))
-    first = {}  # (the first copy of its producer, output index) -> a hub, its rows
-    for h, val, rows in hubs:  # a hub is tied as its value's producer is
-        if val.producer is not None:
-            p, j = val.producer
-            hit = first.setdefault((rep[p], j), (h, rows))
-            if hit[0] != h and np.array_equal(hit[1], rows):
-                rep[h] = hit[0]
-    unary, adj = tie(unary, adj, rep)
+    unary, adj = _pairwise(prob)
     n = len(unary)
     alive = [True] * n
     record: list = []
@@ -701,6 +749,7 @@ def eliminate(prob: Problem) -> list[int]:
             choice[u] = int(arg[choice[w1]])
         else:
             choice[u] = int(arg[choice[w1], choice[w2]])
+    rep = _repeats(prob)
     return [choice[rep[u]] for u in range(len(prob.nodes))]
 
 
