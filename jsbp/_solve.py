@@ -569,24 +569,18 @@ def _add_values(prob: Problem, values, unary, adj, hubs, rep) -> None:
 
     by_batch: dict = {}  # batch -> the entries of ``Problem.joined`` its values' pricing reads
     for e in prob.joined or ():
-        for b in (e[0], e[0][2:]):
-            by_batch[b] = by_batch.get(b, frozenset()) | {e}
-    count: dict = {}  # class -> how many values
-    keyed = []
+        for b in {e[0], e[0][2:]}:
+            by_batch.setdefault(b, []).append(e)
+    by_batch = {b: frozenset(es) for b, es in by_batch.items()}
+    classes: dict = {}  # class -> [its first value, how many]
     for val in values:
         if not val.uses and not val.wants:
             continue
         at = ("in", id(val)) if val.producer is None else (rep[val.producer[0]], val.producer[1])
         readers = tuple(sorted((rep[u], i) for u, i in val.uses))
         key = (tables.klass(val, by_batch), at, readers, tuple(val.wants))
-        count[key] = count.get(key, 0) + 1
-        keyed.append((key, val))
-    done: set = set()
-    for key, val in keyed:
-        if key in done:  # a later copy: added with the first
-            continue
-        done.add(key)
-        times = count[key]
+        classes.setdefault(key, [val, 0])[1] += 1
+    for val, times in classes.values():
         readers: dict = {}  # node -> its operand indices reading val
         for u, i in val.uses:
             readers.setdefault(u, []).append(i)
@@ -608,17 +602,17 @@ def _add_values(prob: Problem, values, unary, adj, hubs, rep) -> None:
         want = idx(val.wants)
         every = np.unique(np.concatenate([src, want, *(c for cs in asked.values() for c in cs)]))
 
-        def reads(u, rows, asked=asked, sub=sub, times=times):  # (rows, u's candidates)
-            cols = asked[u]
-            m = sub(rows, cols[0])
-            for k in range(1, len(cols)):  # two operands reading val: a second layout only
-                extra = sub(rows, cols[k])
-                m = m + np.where(cols[k][None, :] == cols[0][None, :], 0.0, extra)
-            return m * times if times > 1 else m
-
-        def out(rows, cols, sub=sub, times=times):
+        def out(rows, cols, sub=sub, times=times):  # the class's conversions rows -> cols
             m = sub(rows, cols)
             return m * times if times > 1 else m
+
+        def reads(u, rows, asked=asked, out=out):  # (rows, u's candidates): to what u reads
+            cols = asked[u]
+            m = out(rows, cols[0])
+            for k in range(1, len(cols)):  # two operands reading val: a second layout only
+                extra = out(rows, cols[k])
+                m = m + np.where(cols[k][None, :] == cols[0][None, :], 0.0, extra)
+            return m
 
         if p is None and len(readers) <= 1:
             for u in readers:
@@ -779,4 +773,5 @@ def solve(prob: Problem) -> list[int]:
         prob.joined = frozenset((b, 1.0 / n) for b, n in Counter(v.batch for v in late).items())
         tries.append(eliminate(prob))
         prob.joined = None
-    return local_search(prob, min(tries, key=prob.cost))
+    distinct = dict.fromkeys(map(tuple, tries))  # (runs that agree are priced once)
+    return local_search(prob, list(min(distinct, key=prob.cost)))
