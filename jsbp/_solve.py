@@ -376,11 +376,10 @@ class _Tables:
         """Functions of ``val``'s kind: ``index(nd)``, a layout's row and column, and
         ``sub(rows, cols)``, that table's block scaled by ``val.times`` (a deferrable value's
         latency priced as ``Problem.conversion``'s ``share``)."""
-        size = itemsize(val.aval.dtype)
-        kind = (len(val.shape), math.prod(val.shape) * size)
+        kind = _kind(val)
         pricing = None  # ``Problem.pricing``: how the combined collectives' latency is shared
         if val.deferrable:
-            kind += (val.shape, size, val.batch)
+            kind += (val.batch,)
             pricing = self.prob.pricing(share)
         hit = self.made.get((kind, pricing, val.times))
         if hit is None:
@@ -393,11 +392,7 @@ class _Tables:
         """What ``of(val)``'s table is priced by: values of one class have equal tables (a
         deferrable value's batch enters only through the parts of ``Problem.joined`` it reads,
         ``by_batch``: per batch the entries naming it)."""
-        size = itemsize(val.aval.dtype)
-        kind = (len(val.shape), math.prod(val.shape) * size, val.times)
-        if not val.deferrable:
-            return kind
-        return kind + (val.shape, size, by_batch.get(val.batch))
+        return (_kind(val), val.times, val.deferrable and by_batch.get(val.batch))
 
     def columns(self, val, cands, side: int, pos: int) -> np.ndarray:
         """The rows (``index``) of the layouts ``cands`` (a node's candidates) give operand
@@ -490,6 +485,14 @@ class _Tables:
                 row[:] = (np.inf, np.inf, 0.0, 0.0)
                 row[: len(got)] = got
         return entry[0][a, b]
+
+
+def _kind(val) -> tuple:
+    """A value's table, but for a deferrable value's batch: (rank, bytes), and a deferrable
+    value's shape and item size (the combined collectives its conversions join)."""
+    size = itemsize(val.aval.dtype)
+    kind = (len(val.shape), math.prod(val.shape) * size)
+    return kind + (val.shape, size) if val.deferrable else kind
 
 
 def _grown(entry, n: int) -> np.ndarray:
