@@ -557,7 +557,7 @@ def _add_values(prob: Problem, values, unary, adj, hubs, rep) -> None:
     per output of a node, the first hub of the values it makes and that hub's rows), in place,
     each reader and producer taken as the first of its copies (``rep``). Values of one class add
     up to one of them times their number, priced once: one table (``_Tables.klass``), made by
-    copies of one node's output (an input: itself alone), read by copies of the same operands and
+    copies of one node's output (or inputs of one layout), read by copies of the same operands and
     asked as the same outputs. The values one node's copies make share a hub where their rows
     agree."""
     nodes = prob.nodes
@@ -579,7 +579,7 @@ def _add_values(prob: Problem, values, unary, adj, hubs, rep) -> None:
     for val in values:
         if not val.uses and not val.wants:
             continue
-        at = ("in", id(val)) if val.producer is None else (rep[val.producer[0]], val.producer[1])
+        at = ("in", val.nd) if val.producer is None else (rep[val.producer[0]], val.producer[1])
         readers = tuple(sorted((rep[u], i) for u, i in val.uses))
         key = (tables.klass(val, by_batch), at, readers, tuple(val.wants))
         classes.setdefault(key, [val, 0])[1] += 1

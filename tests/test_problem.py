@@ -329,6 +329,43 @@ def test_repeated_layers_are_tied_to_their_first_copy():
     _run_and_check(step, (params, x), ref, rtol=1e-4, atol=1e-5)
 
 
+def test_a_deeper_stack_adds_no_node_to_the_solvers_model(monkeypatch):
+    """benchmarks/compiler.py's DPxTP GPT train step (optax adamw) at 3 and 5 blocks: every copy
+    of a block, of its gradient and of its parameters' update folds into the first copy, and the
+    parameters of one layout read by copies of the same nodes share one hub, so the pairwise model
+    ``eliminate`` starts from has as many nodes with a neighbour at either depth."""
+    import pathlib
+    import sys
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import compiler as bc
+
+    sys.modules.pop("planner", None)
+    strat = [s for s in bc.strategies() if s.name.startswith("DPxTP")][0]
+
+    class Built(Exception):
+        pass
+
+    def linked(layers):
+        case = bc.Case(strat, (256, 64, 8, layers, 16, 32))
+
+        def spy(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict=False):
+            raise Built(_problem.build(placement, _lower._dce(jaxpr), consts, in_layouts, out_nd))
+
+        monkeypatch.setattr(_jit, "plan", spy)
+        with pytest.raises(Built) as got:
+            case.jsbp_fn().lower_program(*case.jsbp_args())
+        prob = got.value.args[0]
+        _, adj = _solve._pairwise(prob)
+        return len(prob.nodes), sum(1 for a in adj if a)
+
+    (n3, linked3), (n5, linked5) = linked(3), linked(5)
+    assert n5 > n3 + 1000, (n3, n5)
+    assert linked5 == linked3, (linked3, linked5)
+
+
 def test_the_solvers_conversion_tables_price_every_pair_as_the_problem_does():
     """The solver's tables (one per rank and size, filled a block at a time from each pair's
     paths, ``_boxing.conversion_lines``) against ``Problem.conversion`` one pair at a time: every
