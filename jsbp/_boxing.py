@@ -244,6 +244,13 @@ def conversion_lines(src, dst, ndim, hierarchy, latency_bytes, op_bytes) -> np.n
     return out
 
 
+def _gathers_or_reduces(a, b) -> bool:
+    """Whether one grid axis's ``a -> b`` is kept or is what an all-gather (S -> B), a
+    reduce-scatter (P -> S) or an all-reduce (P -> B) does on it (a conversion that changes an axis
+    otherwise is never one of them)."""
+    return a == b or (b.is_broadcast and not a.is_broadcast) or (a.is_partial and b.is_split)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def combined_collective(
     src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int
@@ -251,7 +258,7 @@ def combined_collective(
     """The combined collective the conversion joins when its value can wait (``_combine``): its
     (kind, axes) as a 1-tuple where ``plan`` is one all-gather, reduce-scatter or all-reduce of a
     sum between even layouts of a tensor with elements; else ()."""
-    if src == dst or math.prod(shape) == 0:
+    if src == dst or math.prod(shape) == 0 or not all(map(_gathers_or_reduces, src, dst)):
         return ()
     total = float(math.prod(shape) * itemsize)
     _, path = _best(src, dst, len(shape), hierarchy, total)

@@ -9,12 +9,13 @@ the even shape on (4,) and (2, 2) and a seeded ~15% sample elsewhere; ``JSBP_FUL
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _oracle import FULL, check_global, global_from_oracle, make_value, nd_sbps, sample
+from _oracle import FULL, SBP_NAMES, check_global, global_from_oracle, make_value, nd_sbps, sample
 
 import jsbp
 from jsbp.debug import count_collectives
@@ -316,6 +317,47 @@ def test_planner_at_most_one_collective_per_changed_axis(hname, shape):
                 "reduce-scatter",
                 "all-to-all",
             )
+
+
+@pytest.mark.parametrize("hname", ["2x2", "2x4", "2x2x2"])
+@pytest.mark.parametrize("shape", [(8, 8), (25, 33)], ids=str)
+def test_a_conversion_joins_a_combined_collective_iff_it_plans_one(hname, shape):
+    """``combined_collective`` (what the planner prices as joinable) is the one move of the path
+    ``plan`` runs where that move is an all-gather, a reduce-scatter or a sum all-reduce between
+    even layouts, else nothing: every pair of 2-d layouts, from Pmax ones too; (2, 2, 2)
+    sampled unless JSBP_FULL=1."""
+    from jsbp._boxing import combined_collective, plan
+
+    h = HIERARCHIES[hname]
+    names = (*SBP_NAMES, "Pmax")
+    nds = [tuple(map(jsbp.sbp.parse, nd)) for nd in itertools.product(names, repeat=len(h))]
+    nds = [nd for nd in nds if len({x.reduce for x in nd if x.is_partial}) <= 1]
+    pairs = [
+        (s, d) for s in nds for d in nds if not any(x.is_partial and x.reduce == "max" for x in d)
+    ]
+    if len(h) == 3 and not FULL:
+        pairs = sample(pairs, 0.1, f"combined-{shape}")
+
+    def even(nd):
+        ways = [1] * len(shape)
+        for n, x in zip(h, nd):
+            if x.is_split:
+                ways[x.dim] *= n
+        return all(size % w == 0 for size, w in zip(shape, ways))
+
+    joined = 0
+    for src, dst in pairs:
+        moves = [] if src == dst else plan(src, dst, shape, h, 4)
+        want = ()
+        if len(moves) == 1 and even(src) and even(dst):
+            (mv,) = moves
+            if mv.collective in ("all-gather", "reduce-scatter") or (
+                mv.collective == "all-reduce" and mv.src.reduce == "sum"
+            ):
+                want = ((mv.collective, tuple(mv.axes)),)
+        assert combined_collective(src, dst, shape, h, 4) == want, (src, dst, moves)
+        joined += bool(want)
+    assert joined > 0 or len(pairs) < 1000  # (every all-reduce P -> B joins, on any shape)
 
 
 @pytest.mark.parametrize("hname", ["2x4", "2x2x2"])
