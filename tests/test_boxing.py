@@ -357,7 +357,7 @@ def test_a_conversion_joins_a_combined_collective_iff_it_plans_one(hname, shape)
                 want = ((mv.collective, tuple(mv.axes)),)
         assert combined_collective(src, dst, shape, h, 4) == want, (src, dst, moves)
         joined += bool(want)
-    assert joined > 0 or len(pairs) < 1000  # (every all-reduce P -> B joins, on any shape)
+    assert joined > 0 or (len(h) == 3 and not FULL)  # (every sum all-reduce P -> B joins)
 
 
 @pytest.mark.parametrize("hname", ["2x4", "2x2x2"])
