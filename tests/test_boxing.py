@@ -327,6 +327,7 @@ def test_a_conversion_joins_a_combined_collective_iff_it_plans_one(hname, shape)
     even layouts, else nothing: every pair of 2-d layouts, from Pmax ones too; (2, 2, 2)
     sampled unless JSBP_FULL=1."""
     from jsbp._boxing import combined_collective, plan
+    from jsbp._layout import layout_of
 
     h = HIERARCHIES[hname]
     names = (*SBP_NAMES, "Pmax")
@@ -338,12 +339,10 @@ def test_a_conversion_joins_a_combined_collective_iff_it_plans_one(hname, shape)
     if len(h) == 3 and not FULL:
         pairs = sample(pairs, 0.1, f"combined-{shape}")
 
+    plc = placement_of(hname)
+
     def even(nd):
-        ways = [1] * len(shape)
-        for n, x in zip(h, nd):
-            if x.is_split:
-                ways[x.dim] *= n
-        return all(size % w == 0 for size, w in zip(shape, ways))
+        return layout_of(plc, nd, shape).is_even
 
     joined = 0
     for src, dst in pairs:
