@@ -8,6 +8,9 @@ neighbour -> the cost matrix of the pair, rows the node's candidates).
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 
 EXACT_TIME_LIMIT_S = 2.0
@@ -42,13 +45,94 @@ def _icm(core, unary, adj, choice) -> dict:
     return choice
 
 
-def exact_core(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dict | None:
-    """The pairwise model on ``core`` solved by ``scipy.optimize.milp``: a binary per candidate
-    (one per node) and, per edge, the joint of its two ends' candidates (``mu[a, b]``, summing to
-    each end's choice: the local-polytope formulation). Its linear relaxation is solved first
-    (about 2.5x faster than the MILP); where that is integral (the planner's cores mostly are)
-    it is the optimum, else the MILP is solved. None when larger than ``CORE_EXACT_MAX_VARS``,
-    HiGHS proves nothing in ``time_limit``, or scipy is missing."""
+def milp(
+    cost,
+    rows,
+    cols,
+    vals,
+    row_lo,
+    row_hi,
+    integral=None,
+    time_limit=EXACT_TIME_LIMIT_S,
+    warm: dict | None = None,
+    lower=None,
+):
+    """``min cost @ x`` subject to ``row_lo <= A @ x <= row_hi`` (``A``'s entries: ``vals`` at
+    ``rows``, ``cols``), ``lower <= x <= 1`` (``lower`` default 0) and ``x[integral]`` whole, by
+    HiGHS (``highspy``): ``x``,
+    or None where HiGHS proves no optimum in ``time_limit`` seconds or highspy is missing.
+    ``warm``: a dict kept between calls; a linear program (no ``integral``) with the constraints
+    of the one solved last through it starts from that one's optimal basis (only its costs
+    changed: a few simplex steps)."""
+    try:
+        import highspy
+    except ImportError:  # pragma: no cover - highspy is a dependency
+        return None
+    cost = np.asarray(cost, dtype=float)
+    rows, cols = np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
+    n, m = len(cost), len(row_lo)
+    key = (n, m, rows.tobytes(), cols.tobytes()) if warm is not None and integral is None else None
+    h = warm.get(key) if key is not None else None
+    if h is None:
+        h = _highs(highspy)
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = n, m
+        lp.col_cost_, lp.col_upper_ = cost, np.ones(n)
+        lp.col_lower_ = np.zeros(n) if lower is None else np.asarray(lower, float)
+        lp.row_lower_, lp.row_upper_ = np.asarray(row_lo, float), np.asarray(row_hi, float)
+        at, inv = np.unique(cols * m + rows, return_inverse=True)  # by column, repeats summed
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = np.searchsorted(at // m, np.arange(n + 1)).astype(np.int32)
+        lp.a_matrix_.index_ = (at % m).astype(np.int32)
+        lp.a_matrix_.value_ = np.bincount(inv, weights=np.asarray(vals, float), minlength=len(at))
+        if integral is not None:
+            lp.integrality_ = [
+                highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                for i in integral
+            ]
+        h.passModel(lp)
+        if key is not None:
+            warm.clear()
+            warm[key] = h
+    else:
+        h.changeColsCost(n, np.arange(n, dtype=np.int32), cost)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    return np.asarray(h.getSolution().col_value)
+
+
+_QUIET = []  # highspy's first solver prints a banner: once made with the output off, this is set
+
+
+def _highs(highspy):
+    """A new HiGHS solver that prints nothing (its first in the process writes a banner to the
+    standard output at construction: made with file descriptor 1 on the null device)."""
+    if _QUIET:
+        h = highspy.Highs()
+    else:
+        sys.stdout.flush()
+        saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        try:
+            h = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            os.close(null)
+        _QUIET.append(True)
+    h.setOptionValue("output_flag", False)
+    return h
+
+
+def exact_core(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S, warm=None) -> dict | None:
+    """The pairwise model on ``core`` solved by HiGHS (``milp``): a binary per candidate (one per
+    node) and, per edge, the joint of its two ends' candidates (``mu[a, b]``, summing to each
+    end's choice: the local-polytope formulation). Its linear relaxation is solved first (warm
+    from the last core of the same shape solved through ``warm``); where that is integral (the
+    planner's cores mostly are) it is the optimum, else the MILP is solved. None when larger than
+    ``CORE_EXACT_MAX_VARS``, HiGHS proves nothing in ``time_limit``, or highspy is missing."""
     edges = [(u, w, m) for u in core for w, m in adj[u].items() if u < w]
     if not core:
         return {}
@@ -58,11 +142,6 @@ def exact_core(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dict
         nvar += len(unary[u])
     n = nvar + sum(m.size for _, _, m in edges)
     if n > CORE_EXACT_MAX_VARS:
-        return None
-    try:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
-    except ImportError:  # pragma: no cover - scipy is a dependency of the planner extra
         return None
     cost = [np.asarray(unary[u], dtype=float) for u in core]
     rows = [np.repeat(np.arange(len(core)), [len(unary[u]) for u in core])]
@@ -82,23 +161,15 @@ def exact_core(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S) -> dict
         vals += [-np.ones(cu), -np.ones(cw)]
         r += cu + cw
         e0 += cu * cw
-    a = coo_matrix(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n)
-    ).tocsr()
     lo = np.zeros(r)
     lo[: len(core)] = 1.0
-    problem = dict(
-        c=np.concatenate(cost),
-        constraints=[LinearConstraint(a, lo, lo)],
-        bounds=Bounds(np.zeros(n), np.ones(n)),
-        options={"time_limit": time_limit, "disp": False},
-    )
-    res = milp(integrality=np.zeros(n), **problem)  # the relaxation first: mostly integral
-    if res.status != 0 or np.abs(res.x[:nvar] - np.round(res.x[:nvar])).max() > 1e-6:
-        res = milp(integrality=np.concatenate([np.ones(nvar), np.zeros(n - nvar)]), **problem)
-    if res.status != 0:
+    problem = (np.concatenate(cost), *map(np.concatenate, (rows, cols, vals)), lo, lo)
+    x = milp(*problem, time_limit=time_limit, warm=warm)  # the relaxation first: mostly integral
+    if x is None or np.abs(x[:nvar] - np.round(x[:nvar])).max() > 1e-6:
+        x = milp(*problem, integral=np.arange(n) < nvar, time_limit=time_limit)
+    if x is None:
         return None
-    return {u: int(np.argmax(res.x[base[u] : base[u] + len(unary[u])])) for u in core}
+    return {u: int(np.argmax(x[base[u] : base[u] + len(unary[u])])) for u in core}
 
 
 def _classes(m: np.ndarray):

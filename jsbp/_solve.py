@@ -1,6 +1,6 @@
 """Solving a planning problem (``_problem``): one candidate per node at the least ``Problem.cost``.
 
-* **exact** (``exact``): a mixed-integer program (HiGHS through ``scipy.optimize.milp``) for a
+* **exact** (``exact``): a mixed-integer program (HiGHS through ``_core.milp``) for a
   small problem (``EXACT_MAX_VARS``): binaries ``x[u, c]`` (node ``u`` runs candidate ``c``, one
   per node), ``y[v, t]`` (value ``v`` is needed in layout ``t``: at least every reader's choice
   asks it), ``z[v, s, t] >= a[v, s] + y[v, t] - 1`` (``v`` made in ``s`` and needed in ``t``: the
@@ -23,7 +23,7 @@ from collections import Counter
 import numpy as np
 
 from ._boxing import conversion_lines, line_cost
-from ._core import EXACT_TIME_LIMIT_S, exact_core, min_sum
+from ._core import EXACT_TIME_LIMIT_S, exact_core, milp, min_sum
 from ._cost import itemsize
 from ._problem import Problem, latency_part, repeats, through_hub
 
@@ -254,7 +254,7 @@ def _pricer(prob: Problem, tables, u: int, val):
 def exact(
     prob: Problem, max_vars: float = np.inf, time_limit: float = EXACT_TIME_LIMIT_S
 ) -> list[int] | None:
-    """The optimum of ``Problem.cost`` by ``scipy.optimize.milp``; None if the MILP would have
+    """The optimum of ``Problem.cost`` by HiGHS (``_core.milp``); None if the MILP would have
     more than ``max_vars`` variables or HiGHS does not prove an optimum in ``time_limit``."""
     nodes = prob.nodes
     if not nodes:
@@ -263,14 +263,9 @@ def exact(
     nx = int(base[-1])
     if nx > max_vars:  # the candidates' binaries alone are too many
         return None
-    try:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
-    except ImportError:  # pragma: no cover - scipy is a dependency of the planner extra
-        return None
     cost = [float(c) for n in nodes for c in n.compute]
     integ = [1] * nx
-    lo, hi = [0.0] * nx, [1.0] * nx
+    lo = [0.0] * nx
     rows, cols, vals, rlo, rhi = [], [], [], [], []
     r = 0
 
@@ -278,7 +273,6 @@ def exact(
         cost.append(c)
         integ.append(1 if binary else 0)
         lo.append(low)
-        hi.append(1.0)
         return len(cost) - 1
 
     def row(terms, low, high):
@@ -336,17 +330,9 @@ def exact(
                         row([(group[k], 1.0), (made, -1.0)], 0.0, np.inf)
         if len(cost) > max_vars:
             return None
-    a = coo_matrix((vals, (rows, cols)), shape=(r, len(cost))).tocsr()
-    res = milp(
-        np.array(cost),
-        constraints=[LinearConstraint(a, rlo, rhi)],
-        integrality=np.array(integ),
-        bounds=Bounds(lo, hi),
-        options={"time_limit": time_limit, "disp": False},
-    )
-    if res.status != 0:
+    x = milp(cost, rows, cols, vals, rlo, rhi, np.array(integ, bool), time_limit, lower=lo)
+    if x is None:
         return None
-    x = res.x[:nx]
     return [int(np.argmax(x[base[u] : base[u + 1]])) for u in range(len(nodes))]
 
 
@@ -731,7 +717,7 @@ def eliminate(prob: Problem) -> list[int]:
     inputs = (*(unary[u] for u in core), *(m for u in core for m in adj[u].values()))
 
     def solve_core():
-        got = exact_core(core, unary, adj)
+        got = exact_core(core, unary, adj, warm=prob.cache.setdefault("highs", {}))
         if got is not None:
             return got
         return min_sum(core, unary, adj, memo=prob.cache.setdefault("classes", {}))

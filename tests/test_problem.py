@@ -128,6 +128,54 @@ def test_the_core_solver_finds_the_optimum_whether_or_not_its_relaxation_is_inte
         assert best == pytest.approx(1.0)  # (the relaxation's optimum is 0)
 
 
+def test_the_core_solver_warm_from_the_last_core_still_finds_each_optimum():
+    """``exact_core`` through one ``warm`` dict: a core of the same shape with other costs starts
+    from the last one's optimal basis, and each answer costs what the best assignment does, where
+    the relaxation is integral (random costs) and where it is not (a frustrated triangle: the
+    MILP runs); a core of another shape is solved from scratch."""
+    from jsbp import _core
+
+    rng = np.random.default_rng(1)
+    core, k = [0, 1, 2, 3], 3
+    pairs = [(0, 1), (1, 2), (2, 3), (3, 0), (0, 2)]
+    warm: dict = {}
+    for trial in range(6):
+        unary = [rng.uniform(0, 1, k) for _ in core]
+        mats = {e: rng.uniform(0, 2, (k, k)) for e in pairs}
+        if trial == 3:  # all-agreeing edges around the triangle 0-1-2: fractional relaxation
+            unary = [np.zeros(k) for _ in core]
+            mats = {e: (np.eye(k) if 3 not in e else np.zeros((k, k))) for e in pairs}
+        adj = [{} for _ in core]
+        for (u, w), m in mats.items():
+            adj[u][w], adj[w][u] = m, m.T
+        got = _core.exact_core(core, unary, adj, warm=warm)
+        assert got is not None
+        best = min(
+            _pairwise_cost(core, unary, adj, c)
+            for c in itertools.product(range(k), repeat=len(core))
+        )
+        assert _pairwise_cost(core, unary, adj, got) == pytest.approx(best)
+        assert len(warm) == 1  # the last linear program, kept for the next
+    unary = [np.array([0.0, 1.0]), np.array([1.0, 0.0])]
+    smaller = _core.exact_core([0, 1], unary, [{1: np.eye(2)}, {0: np.eye(2)}], warm=warm)
+    assert smaller == {0: 0, 1: 1}  # the only assignment of cost 0
+
+
+def test_the_solver_prints_nothing():
+    """highspy's first solver of a process writes a banner to the standard output; jsbp's is made
+    silent (a fresh process, so that this one's earlier solves do not hide it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np; from jsbp import _core; "
+        "x = _core.milp([1.0, 2.0], [0, 0], [0, 1], [1.0, 1.0], [1.0], [1.0], "
+        "integral=np.array([True, True])); print(int(round(x[0])), int(round(x[1])))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout == "1 0\n", out.stdout
+
+
 def _run_and_check(fn, args, ref, out_sbp=None, rtol=1e-5, atol=1e-5):
     jf = jsbp.jit(fn, out_sbp=out_sbp)
     got = jf(*args)
