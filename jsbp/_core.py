@@ -75,6 +75,8 @@ def milp(
     h = warm.get(key) if key is not None else None
     if h is None:
         h = _highs(highspy)
+        if integral is None:  # (presolve takes twice what the simplex does on the planner's cores)
+            h.setOptionValue("presolve", "off")
         lp = highspy.HighsLp()
         lp.num_col_, lp.num_row_ = n, m
         lp.col_cost_, lp.col_upper_ = cost, np.ones(n)
