@@ -263,11 +263,11 @@ def plan(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = Fa
         local = _local_cost(placement, strict)
         prob = build(placement, jaxpr, consts, in_layouts, out_nd, strict=strict, local=local)
         prog = lower(prob, solve(prob), jaxpr, consts, in_layouts, out_nd, strict)
+        _reduce_before_transposes(prog)
+        combine_collectives(prog)
     finally:
         if enabled:
             gc.enable()
-    _reduce_before_transposes(prog)
-    combine_collectives(prog)
     _warn_replicated(prog, placement)
     return prog
 
