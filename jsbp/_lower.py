@@ -263,6 +263,7 @@ def plan(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = Fa
         local = _local_cost(placement, strict)
         prob = build(placement, jaxpr, consts, in_layouts, out_nd, strict=strict, local=local)
         prog = lower(prob, solve(prob), jaxpr, consts, in_layouts, out_nd, strict)
+        prob.cache.clear()  # (the solver's closures refer to prob: freed now, not by a collection)
         _reduce_before_transposes(prog)
         combine_collectives(prog)
     finally:
