@@ -59,11 +59,10 @@ def milp(
 ):
     """``min cost @ x`` subject to ``row_lo <= A @ x <= row_hi`` (``A``'s entries: ``vals`` at
     ``rows``, ``cols``), ``lower <= x <= 1`` (``lower`` default 0) and ``x[integral]`` whole, by
-    HiGHS (``highspy``): ``x``,
-    or None where HiGHS proves no optimum in ``time_limit`` seconds or highspy is missing.
-    ``warm``: a dict kept between calls; a linear program (no ``integral``) with the constraints
-    of the one solved last through it starts from that one's optimal basis (only its costs
-    changed: a few simplex steps)."""
+    HiGHS (``highspy``): ``x``, or None where HiGHS proves no optimum in ``time_limit`` seconds or
+    highspy is missing. ``warm``: a dict kept between calls; a linear program (no ``integral``)
+    with the constraints of the one solved last through it starts from that one's optimal basis
+    (only its costs changed: a few simplex steps)."""
     try:
         import highspy
     except ImportError:  # pragma: no cover - highspy is a dependency
