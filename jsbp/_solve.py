@@ -42,8 +42,9 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
     at once from the conversion tables (``_moves``); a node is priced again only once a node it
     shares a value with has moved (or, touching a deferrable value, once the combined collectives
     have changed): until then its best move is the one it had. The layouts each value's readers
-    ask are counted as the nodes move (``asked``), so that pricing a node reads those counts, not
-    every other reader of a value read by many."""
+    ask are counted as the nodes move (``asked``), and the combined collectives each deferrable
+    value joins kept (``held``), so that pricing a node reads those, not every other reader of a
+    value read by many."""
     choice = list(choice)
     latency = prob.model.latency_bytes
     nodes = prob.nodes
@@ -55,10 +56,10 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
         wanted = {t for t, k in asked[id(v)].items() if k > 0}.union(v.wants)
         return prob.groups(v, choice, wanted)
 
+    held = {id(v): joined(v) for v in prob.values if v.deferrable}  # as of the last move
     groups = Counter()  # combined collective -> deferrable values joining it
-    for v in prob.values:
-        if v.deferrable:
-            groups.update(joined(v))
+    for g in held.values():
+        groups.update(g)
     moves, late_nodes = _moves(prob)
     dirty = [len(n.cands) > 1 for n in prob.nodes]
     for _ in range(sweeps):
@@ -71,7 +72,7 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
             cur = choice[u]
             cost = n.compute + sum(price(choice, asked) for price in priced)
             if late:
-                before = [joined(v) for v in late_vals]
+                before = [held[id(v)] for v in late_vals]
                 for g in before:  # the groups without the touched values
                     groups.subtract(g)
                 each = [joins(choice, asked) for joins in late]
@@ -94,7 +95,10 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
                         asked[id(v)][n.cands[cur][0][i]] -= 1
                         asked[id(v)][n.cands[best_c][0][i]] += 1
             if late:
-                after = [joined(v) for v in late_vals]
+                after = before
+                if best_c != cur:
+                    after = [joined(v) for v in late_vals]
+                    held.update((id(v), g) for v, g in zip(late_vals, after))
                 for g in after:
                     groups.update(g)
                 if after != before:
