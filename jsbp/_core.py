@@ -13,9 +13,18 @@ import sys
 
 import numpy as np
 
-EXACT_TIME_LIMIT_S = 2.0
-"""Seconds HiGHS may take on one MILP; without a proven optimum by then its answer is dropped
-(``_solve.exact``: elimination plans instead; ``exact_core``: min-sum does)."""
+LP_ITERATION_LIMIT = 100_000
+"""Most simplex iterations HiGHS may take on one linear program (``milp`` without integrality);
+without an optimum by then its answer is dropped (``exact_core``: min-sum decides instead). The
+largest the 43 programs of ``benchmarks/planner.py`` take is 5,552 (about 0.13 s)."""
+
+MIP_NODE_LIMIT = 100
+"""Most branch-and-bound nodes HiGHS may explore on one MILP; without a proven optimum by then its
+answer is dropped (``_solve.exact``: elimination plans instead; ``exact_core``: min-sum decides).
+Every MILP of the 43 programs of ``benchmarks/planner.py`` is solved at its root node (1).
+
+Both limits count work, not seconds, so that a plan does not depend on how busy the machine is:
+every process of a multi-process run plans the same program."""
 
 CORE_EXACT_MAX_VARS = 60_000
 """Largest MILP (candidates + joint candidates of the edges) over the nodes ``eliminate`` leaves
@@ -53,14 +62,14 @@ def milp(
     row_lo,
     row_hi,
     integral=None,
-    time_limit=EXACT_TIME_LIMIT_S,
     warm: dict | None = None,
     lower=None,
 ):
     """``min cost @ x`` subject to ``row_lo <= A @ x <= row_hi`` (``A``'s entries: ``vals`` at
     ``rows``, ``cols``), ``lower <= x <= 1`` (``lower`` default 0) and ``x[integral]`` whole, by
-    HiGHS (``highspy``): ``x``, or None where HiGHS proves no optimum in ``time_limit`` seconds or
-    highspy is missing. ``warm``: a dict kept between calls; a linear program (no ``integral``)
+    HiGHS (``highspy``): ``x``, or None where HiGHS proves no optimum within ``LP_ITERATION_LIMIT``
+    simplex iterations (a linear program) or ``MIP_NODE_LIMIT`` nodes (a MILP), or highspy is
+    missing. ``warm``: a dict kept between calls; a linear program (no ``integral``)
     with the constraints of the one solved last through it starts from that one's optimal basis
     (only its costs changed: a few simplex steps)."""
     try:
@@ -76,6 +85,9 @@ def milp(
         h = _highs(highspy)
         if integral is None:  # (presolve takes twice what the simplex does on the planner's cores)
             h.setOptionValue("presolve", "off")
+            h.setOptionValue("simplex_iteration_limit", LP_ITERATION_LIMIT)
+        else:
+            h.setOptionValue("mip_max_nodes", MIP_NODE_LIMIT)
         lp = highspy.HighsLp()
         lp.num_col_, lp.num_row_ = n, m
         lp.col_cost_, lp.col_upper_ = cost, np.ones(n)
@@ -97,7 +109,6 @@ def milp(
             warm[key] = h
     else:
         h.changeColsCost(n, np.arange(n, dtype=np.int32), cost)
-    h.setOptionValue("time_limit", float(time_limit))
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None
@@ -127,13 +138,14 @@ def _highs(highspy):
     return h
 
 
-def exact_core(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S, warm=None) -> dict | None:
+def exact_core(core, unary, adj, warm=None) -> dict | None:
     """The pairwise model on ``core`` solved by HiGHS (``milp``): a binary per candidate (one per
     node) and, per edge, the joint of its two ends' candidates (``mu[a, b]``, summing to each
     end's choice: the local-polytope formulation). Its linear relaxation is solved first (warm
     from the last core of the same shape solved through ``warm``); where that is integral (the
     planner's cores mostly are) it is the optimum, else the MILP is solved. None when larger than
-    ``CORE_EXACT_MAX_VARS``, HiGHS proves nothing in ``time_limit``, or highspy is missing."""
+    ``CORE_EXACT_MAX_VARS``, HiGHS proves nothing within its limits (``milp``), or highspy is
+    missing."""
     edges = [(u, w, m) for u in core for w, m in adj[u].items() if u < w]
     if not core:
         return {}
@@ -165,9 +177,9 @@ def exact_core(core, unary, adj, time_limit: float = EXACT_TIME_LIMIT_S, warm=No
     lo = np.zeros(r)
     lo[: len(core)] = 1.0
     problem = (np.concatenate(cost), *map(np.concatenate, (rows, cols, vals)), lo, lo)
-    x = milp(*problem, time_limit=time_limit, warm=warm)  # the relaxation first: mostly integral
+    x = milp(*problem, warm=warm)  # the relaxation first: mostly integral
     if x is None or np.abs(x[:nvar] - np.round(x[:nvar])).max() > 1e-6:
-        x = milp(*problem, integral=np.arange(n) < nvar, time_limit=time_limit)
+        x = milp(*problem, integral=np.arange(n) < nvar)
     if x is None:
         return None
     return {u: int(np.argmax(x[base[u] : base[u] + len(unary[u])])) for u in core}

@@ -23,7 +23,7 @@ from collections import Counter
 import numpy as np
 
 from ._boxing import conversion_lines, line_cost
-from ._core import EXACT_TIME_LIMIT_S, exact_core, milp, min_sum
+from ._core import exact_core, milp, min_sum
 from ._cost import itemsize
 from ._problem import Problem, latency_part, repeats, through_hub
 
@@ -255,11 +255,10 @@ def _pricer(prob: Problem, tables, u: int, val):
     return price
 
 
-def exact(
-    prob: Problem, max_vars: float = np.inf, time_limit: float = EXACT_TIME_LIMIT_S
-) -> list[int] | None:
+def exact(prob: Problem, max_vars: float = np.inf) -> list[int] | None:
     """The optimum of ``Problem.cost`` by HiGHS (``_core.milp``); None if the MILP would have
-    more than ``max_vars`` variables or HiGHS does not prove an optimum in ``time_limit``."""
+    more than ``max_vars`` variables or HiGHS does not prove an optimum within its limits
+    (``_core.milp``)."""
     nodes = prob.nodes
     if not nodes:
         return []
@@ -334,7 +333,7 @@ def exact(
                         row([(group[k], 1.0), (made, -1.0)], 0.0, np.inf)
         if len(cost) > max_vars:
             return None
-    x = milp(cost, rows, cols, vals, rlo, rhi, np.array(integ, bool), time_limit, lower=lo)
+    x = milp(cost, rows, cols, vals, rlo, rhi, np.array(integ, bool), lower=lo)
     if x is None:
         return None
     return [int(np.argmax(x[base[u] : base[u + 1]])) for u in range(len(nodes))]

@@ -161,6 +161,98 @@ def test_the_core_solver_warm_from_the_last_core_still_finds_each_optimum():
     assert smaller == {0: 0, 1: 1}  # the only assignment of cost 0
 
 
+def _frustrated_core(n: int, k: int, seed: int):
+    """A pairwise core of ``n`` nodes, ``k`` candidates each, random costs whose edges charge
+    agreement (``seed`` 5 with 8 nodes: the MILP needs 3 branch-and-bound nodes)."""
+    rng = np.random.default_rng(seed)
+    core = list(range(n))
+    unary = [rng.random(k) for _ in core]
+    adj = [{} for _ in core]
+    for u in core:
+        for w in map(int, rng.choice(n, 3, replace=False)):
+            if w != u and w not in adj[u]:
+                m = rng.random((k, k)) * 3 + 2 * np.eye(k)
+                adj[u][w], adj[w][u] = m, m.T
+    return core, unary, adj
+
+
+def test_the_solvers_limits_count_work_not_seconds(monkeypatch):
+    """HiGHS stops after ``MIP_NODE_LIMIT`` branch-and-bound nodes or ``LP_ITERATION_LIMIT``
+    simplex iterations, not after a time: the same problem gets the same answer however busy the
+    machine is (every process of a multi-process run plans alike). A core whose MILP needs three
+    nodes: solved exactly under the default limits, no answer under a limit of one node (min-sum
+    decides then); its relaxation under a limit of five iterations: no answer (the MILP then
+    solves it)."""
+    from jsbp import _core
+
+    core, unary, adj = _frustrated_core(8, 3, seed=5)
+    best = min(
+        _pairwise_cost(core, unary, adj, c) for c in itertools.product(range(3), repeat=len(core))
+    )
+    for _ in range(2):  # the same answer both times
+        got = _core.exact_core(core, unary, adj)
+        assert got is not None
+        assert _pairwise_cost(core, unary, adj, got) == pytest.approx(best)
+    monkeypatch.setattr(_core, "MIP_NODE_LIMIT", 1)
+    assert _core.exact_core(core, unary, adj) is None
+    monkeypatch.setattr(_core, "MIP_NODE_LIMIT", 100)
+    monkeypatch.setattr(_core, "LP_ITERATION_LIMIT", 5)
+    answers = []
+    milp = _core.milp
+
+    def spy(*args, **kwargs):
+        answers.append((kwargs.get("integral") is not None, milp(*args, **kwargs)))
+        return answers[-1][1]
+
+    monkeypatch.setattr(_core, "milp", spy)
+    got = _core.exact_core(core, unary, adj)
+    assert [(mip, x is None) for mip, x in answers] == [(False, True), (True, False)]
+    assert _pairwise_cost(core, unary, adj, got) == pytest.approx(best)
+
+
+_PLAN_IN_A_PROCESS = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp, numpy as np, jsbp
+from jsbp import sbp as S
+plc = jsbp.placement("cpu", np.arange(8).reshape(2, 4), axis_names=("dp", "tp"))
+rng = np.random.default_rng(0)
+x = jsbp.tensor(rng.normal(size=(16, 32)).astype("float32"), placement=plc, sbp=(S.split(0), S.broadcast))
+w1 = jsbp.tensor(rng.normal(size=(32, 64)).astype("float32"), placement=plc, sbp=(S.broadcast, S.split(1)))
+w2 = jsbp.tensor(rng.normal(size=(64, 32)).astype("float32"), placement=plc, sbp=(S.broadcast, S.split(0)))
+def loss(w1, w2, x):
+    h = jax.nn.gelu(x @ w1)
+    y = jax.nn.softmax(h @ w2, axis=-1)
+    return jnp.mean((y - x) ** 2) + 1e-3 * (jnp.sum(w1 * w1) + jnp.sum(w2 * w2))
+step = jsbp.jit(lambda w1, w2, x: jax.value_and_grad(loss, argnums=(0, 1))(w1, w2, x))
+print(jsbp.explain(step, w1, w2, x))
+"""
+
+
+def test_two_processes_plan_the_same_program():
+    """Every process of a multi-process run plans its program on its own, so the plan must not
+    depend on anything that differs between processes: string hashing (``PYTHONHASHSEED``),
+    object ids, the clock. A data × tensor parallel training step planned in two fresh processes
+    with different hash seeds: the same plan, op by op."""
+    import os
+    import subprocess
+    import sys
+
+    plans = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "JAX_PLATFORMS": "cpu"}
+        out = subprocess.run(
+            [sys.executable, "-c", _PLAN_IN_A_PROCESS],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+        )
+        plans.append(out.stdout)
+    assert "collective" in plans[0] and "dot_general" in plans[0]
+    assert plans[0] == plans[1]
+
+
 def test_the_solver_prints_nothing():
     """highspy's first solver of a process writes a banner to the standard output; jsbp's is made
     silent (a fresh process, so that this one's earlier solves do not hide it)."""
