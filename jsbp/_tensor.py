@@ -919,6 +919,8 @@ def _random(lay: Layout, kind: str, dtype):
 
 def _random_tensor(kind, shape, key, placement, sbp, dtype, op):
     shape = _shape_args(shape, op)
+    if dtype is None:  # as jax.random: the default float (float64 under jax_enable_x64)
+        dtype = float
     if not jnp.issubdtype(
         _canonical_dtype(dtype), jnp.floating if kind != "normal" else jnp.inexact
     ):
@@ -944,13 +946,15 @@ def _random_tensor(kind, shape, key, placement, sbp, dtype, op):
     return GlobalTensor(_random(lay, kind, _canonical_dtype(dtype))(portable_key(key)), lay)
 
 
-def randn(*shape, key=None, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
-    """Standard normal values that depend only on ``key`` and ``shape`` (never on the layout)."""
+def randn(*shape, key=None, placement=None, sbp=None, dtype=None) -> GlobalTensor:
+    """Standard normal values that depend only on ``key`` and ``shape`` (never on the layout);
+    ``jax.random.normal``'s: float32 by default (float64 under ``jax_enable_x64``)."""
     return _random_tensor("normal", shape, key, placement, sbp, dtype, "randn")
 
 
-def rand(*shape, key=None, placement=None, sbp=None, dtype=jnp.float32) -> GlobalTensor:
-    """Uniform [0, 1) values that depend only on ``key`` and ``shape``."""
+def rand(*shape, key=None, placement=None, sbp=None, dtype=None) -> GlobalTensor:
+    """Uniform [0, 1) values that depend only on ``key`` and ``shape``; ``jax.random.uniform``'s:
+    float32 by default (float64 under ``jax_enable_x64``)."""
     return _random_tensor("uniform", shape, key, placement, sbp, dtype, "rand")
 
 

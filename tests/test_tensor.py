@@ -177,6 +177,21 @@ def test_random_value_depends_on_key_and_shape_only(fn, ref):
     assert not np.array_equal(other, want)
 
 
+@pytest.mark.parametrize(
+    "fn,ref", [(jsbp.randn, jax.random.normal), (jsbp.rand, jax.random.uniform)]
+)
+def test_random_default_dtype_is_jaxs(fn, ref):
+    """Without ``dtype``, the draw has ``jax.random``'s default float: float64 under
+    ``jax_enable_x64`` (the same values as ``jax.random`` there), float32 otherwise."""
+    key = jax.random.key(3)
+    with jax.enable_x64(True):
+        want = np.asarray(ref(key, (6, 5)))
+        x = fn(6, 5, key=key, placement=P4, sbp="S(0)")
+        assert want.dtype == np.float64 and x.dtype == np.float64
+        np.testing.assert_array_equal(x.numpy(), want)
+    assert fn(6, 5, key=key, placement=P4, sbp="S(0)").dtype == np.float32
+
+
 def test_rand_range_and_legacy_keys():
     x = jsbp.rand(1000, key=jax.random.PRNGKey(0), placement=P8, sbp="S(0)").numpy()
     assert x.min() >= 0.0 and x.max() < 1.0
