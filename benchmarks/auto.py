@@ -3,6 +3,7 @@
     python benchmarks/auto.py                       # three model shapes, markdown table on stdout
     python benchmarks/auto.py --only gpt --steps 20 --json auto.json
     python benchmarks/auto.py --budget-quarter      # also: auto under a budget of (params + opt) / 4
+    python benchmarks/auto.py --plan-only           # auto's planning time against a first call
 
 On 8 simulated CPU devices, for the GPT of ``examples/train_gpt.py`` and two other shapes
 (wide-shallow, narrow-deep), every hand-picked strategy (``dp=8``, ``tp=8``, ``dp=2×tp=4``,
@@ -61,6 +62,11 @@ def main(argv=None) -> int:
         default=0.0,
         help="also run auto with a budget of this fraction of the unbudgeted choice's predicted peak",
     )
+    ap.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="time Strategy.auto against the first call of the strategy it chooses (no steps)",
+    )
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument(
         "--fit",
@@ -82,6 +88,17 @@ def main(argv=None) -> int:
 
     names = [n for n in (args.only.split(",") if args.only else SHAPES) if n]
     corpus = tg.Corpus()
+    if args.plan_only:
+        rows = [
+            plan_time(tg, tg.GPTConfig(vocab=corpus.vocab, **SHAPES[n]), corpus, args)
+            for n in names
+        ]
+        for n, r in zip(names, rows):
+            r["shape"] = n
+        print(plan_table(rows), flush=True)
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     results = []
     for name in names:
         cfg = tg.GPTConfig(vocab=corpus.vocab, **SHAPES[name])
@@ -242,6 +259,51 @@ def bench_shape(tg, cfg, corpus, args):
             }
         )
     return rows, auto_info
+
+
+def plan_time(tg, cfg, corpus, args) -> dict:
+    """``Strategy.auto``'s wall time (no budget) against the first call of the strategy it
+    chooses: shard, build the train step, trace, plan, compile and run one step, JAX's caches
+    emptied first (jsbp's memo caches of layouts and conversions stay as the search left them)."""
+    import jax
+    import numpy as np
+
+    import jsbp
+    import jsbp.flax as jflax
+
+    host_batch = next(corpus.batches(0, args.batch, cfg.seq))
+    plc = jsbp.placement("cpu", np.arange(8))
+    model, opt = tg.init(cfg, 0)
+    t = time.perf_counter()
+    auto = jflax.Strategy.auto(
+        plc, model=model, optimizer=opt, loss_fn=tg.loss_fn, batch=host_batch
+    )
+    auto_s = time.perf_counter() - t
+    jax.clear_caches()
+    t = time.perf_counter()
+    model, opt = jflax.shard(tg.init(cfg, 0), auto)
+    loss = jflax.make_train_step(tg.loss_fn, auto)(model, opt, host_batch)
+    jax.block_until_ready(loss.physical if isinstance(loss, jsbp.GlobalTensor) else loss)
+    first_s = time.perf_counter() - t
+    return {
+        "chosen": auto.report.chosen.name,
+        "candidates": len(auto.report.candidates),
+        "auto_s": auto_s,
+        "first_call_s": first_s,
+    }
+
+
+def plan_table(rows) -> str:
+    lines = [
+        "| shape | auto chose | candidates planned | Strategy.auto (s) | its first call (s) | ratio |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['chosen']} | {r['candidates']} | {r['auto_s']:.1f} | "
+            f"{r['first_call_s']:.2f} | {r['auto_s'] / r['first_call_s']:.1f} |"
+        )
+    return "\n".join(lines)
 
 
 def jax_leaves(objs):
