@@ -361,7 +361,11 @@ def test_flax_auto_budget_quarter(gpt_reference):
     assert m["state"] == max(held) and m["predicted"] == rep.chosen.estimate.peak_bytes
     assert m["in_place"] == xla["in_place"]
     np.testing.assert_allclose(losses, gpt_reference[0], rtol=1e-5)
-    _check_params(model, gpt_reference[1])
+    # the chosen plan (tp=8 {heads,mlp,vocab} with JAX 0.10.2) sums the embedding's gradient in
+    # another order than one device; after three Adam steps the embedding differs by 1.01e-5 of
+    # its largest entry, as under the hand-written tp=8 strategy (dp=2,tp=4: 1.37e-5), with the
+    # losses bitwise equal (as in test_flax_auto_no_budget_cheapest_and_matches)
+    _check_params(model, gpt_reference[1], tol=3e-5)
 
 
 def test_flax_auto_no_budget_cheapest_and_matches(gpt_reference):
