@@ -229,26 +229,31 @@ print(jsbp.explain(step, w1, w2, x))
 """
 
 
+def _stdout_of_a_fresh_process(code: str, **env) -> str:
+    """What ``python -c code`` prints, run in a new process (``env`` added to this one's)."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **env},
+    )
+    return run.stdout
+
+
 def test_two_processes_plan_the_same_program():
     """Every process of a multi-process run plans its program on its own, so the plan must not
     depend on anything that differs between processes: string hashing (``PYTHONHASHSEED``),
     object ids, the clock. A data × tensor parallel training step planned in two fresh processes
     with different hash seeds: the same plan, op by op."""
-    import os
-    import subprocess
-    import sys
-
-    plans = []
-    for seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": seed, "JAX_PLATFORMS": "cpu"}
-        out = subprocess.run(
-            [sys.executable, "-c", _PLAN_IN_A_PROCESS],
-            capture_output=True,
-            text=True,
-            check=True,
-            env=env,
-        )
-        plans.append(out.stdout)
+    plans = [
+        _stdout_of_a_fresh_process(_PLAN_IN_A_PROCESS, PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu")
+        for seed in ("1", "2")
+    ]
     assert "collective" in plans[0] and "dot_general" in plans[0]
     assert plans[0] == plans[1]
 
@@ -256,16 +261,13 @@ def test_two_processes_plan_the_same_program():
 def test_the_solver_prints_nothing():
     """highspy's first solver of a process writes a banner to the standard output; jsbp's is made
     silent (a fresh process, so that this one's earlier solves do not hide it)."""
-    import subprocess
-    import sys
-
     code = (
         "import numpy as np; from jsbp import _core; "
         "x = _core.milp([1.0, 2.0], [0, 0], [0, 1], [1.0, 1.0], [1.0], [1.0], "
         "integral=np.array([True, True])); print(int(round(x[0])), int(round(x[1])))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout == "1 0\n", out.stdout
+    out = _stdout_of_a_fresh_process(code)
+    assert out == "1 0\n", out
 
 
 def _run_and_check(fn, args, ref, out_sbp=None, rtol=1e-5, atol=1e-5):
