@@ -12,6 +12,7 @@ would merge their conversions as well.
 
 from __future__ import annotations
 
+import numpy as np
 from jax.extend import core as jcore
 
 STATEFUL = frozenset({"rng_uniform"})
@@ -68,13 +69,25 @@ class _Cse:
 
 def _key(eqn):
     """What makes two equations compute the same value, or None (not hashable)."""
-    ins = tuple(
-        ("literal", repr(v.val), str(v.aval)) if isinstance(v, jcore.Literal) else v
-        for v in eqn.invars
-    )
-    key = (eqn.primitive, ins, tuple(sorted(eqn.params.items())))
     try:
+        ins = tuple(
+            ("literal", _literal(v.val), str(v.aval)) if isinstance(v, jcore.Literal) else v
+            for v in eqn.invars
+        )
+        key = (eqn.primitive, ins, tuple(sorted(eqn.params.items())))
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _literal(val) -> tuple:
+    """A literal's value, exactly: its dtype, shape and bytes (its ``repr`` rounds a float64 to
+    8 digits, which would merge ``x * 0.1`` with ``x * 0.100000000001``)."""
+    try:
+        a = np.asarray(val)
+    except Exception as e:  # (a PRNG key, say): not merged
+        raise TypeError("not a plain array") from e
+    if a.dtype == object:
+        raise TypeError("not a plain array")
+    return a.dtype.str, a.shape, a.tobytes()

@@ -807,6 +807,23 @@ def test_cse_keeps_what_differs():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_cse_tells_float64_literals_apart_beyond_their_repr():
+    """Two float64 literals that print alike (``repr`` rounds to 8 digits: both ``0.1``) are two
+    values: jsbp.jit computes each, as ``jax.jit`` does."""
+
+    def f(x):
+        return x * np.float64(0.1), x * np.float64(0.100000000001)
+
+    with jax.enable_x64(True):
+        xv = np.arange(8.0)
+        got = jsbp.jit(f)(gt(xv, P4, "S(0)"))
+        want = jax.jit(f)(xv)
+        assert got[1].dtype == np.float64
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g.numpy(), np.asarray(w))
+        assert not np.array_equal(got[0].numpy(), got[1].numpy())
+
+
 def test_a_conversion_two_consumers_need_is_chosen_by_the_first():
     """``x`` (S(1)) feeds an elementwise op and then a matmul that needs it replicated. Alone, the
     elementwise op would run on the split; knowing the matmul gathers ``x`` anyway, inference runs
