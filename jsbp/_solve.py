@@ -10,7 +10,7 @@
   the copies of repeated layers folded into their first copy (``_problem.repeats``),
   nodes of one or two neighbours eliminated exactly, the core left solved as a local-polytope
   MILP (``_core.exact_core``) or by min-sum message passing (``_core.min_sum``), run under
-  three pricings of the deferrable values (``solve``);
+  two pricings of the deferrable values (``solve``);
 * **local search** (``local_search``) polishes the answer on ``Problem.cost`` itself.
 """
 
@@ -748,22 +748,21 @@ def _plan_parts(prob: Problem, choice, late) -> frozenset:
 
 def solve(prob: Problem) -> list[int]:
     """The cheapest assignment found: the exact optimum where the problem is small
-    (``EXACT_MAX_VARS``); else elimination (``eliminate``) under three pricings of the deferrable
-    conversions, the cheapest answer by ``Problem.cost`` polished by local search: a whole latency
-    each; a part of one where they join a combined collective that first plan has (one over its
-    members there), a whole one where they open another; a share anywhere (one over the number of
-    deferrable values of their ``Value.batch``)."""
+    (``EXACT_MAX_VARS``); else elimination (``eliminate``) under two pricings of the deferrable
+    conversions, the cheaper answer by ``Problem.cost`` polished by local search: a share of a
+    latency each (one over the number of deferrable values of their ``Value.batch``); then a part
+    of one where they join a combined collective the first answer runs (one over its members
+    there), a whole one where they open another."""
     best = exact(prob, max_vars=EXACT_MAX_VARS)
     if best is not None:  # (its model charges a value each layout from the made one: no hubs)
         return local_search(prob, best)
     late = [v for v in prob.values if v.deferrable]
+    prob.joined = frozenset((b, 1.0 / n) for b, n in Counter(v.batch for v in late).items())
     first = eliminate(prob)
     tries = [first]
     if late:
         prob.joined = _plan_parts(prob, first, late)
         tries.append(eliminate(prob))
-        prob.joined = frozenset((b, 1.0 / n) for b, n in Counter(v.batch for v in late).items())
-        tries.append(eliminate(prob))
-        prob.joined = None
+    prob.joined = None
     distinct = dict.fromkeys(map(tuple, tries))  # (runs that agree are priced once)
     return local_search(prob, list(min(distinct, key=prob.cost)))
