@@ -368,11 +368,19 @@ def test_flax_auto_budget_quarter(gpt_reference):
     _check_params(model, gpt_reference[1], tol=3e-5)
 
 
-def test_flax_auto_no_budget_cheapest_and_matches(gpt_reference):
+def test_flax_auto_no_budget_cheapest_and_matches(gpt_reference, monkeypatch):
+    from jsbp.flax import _auto as auto_module
     from jsbp.flax._auto import estimate_strategy
 
+    traced = []
+    plan = auto_module._Search.plan
+    monkeypatch.setattr(
+        auto_module._Search, "plan", lambda self, st: traced.append(st) or plan(self, st)
+    )
     s = _auto()
     rep = s.report
+    # every strategy traced is a candidate: none is tried only to raise (test below)
+    assert len(traced) == len(rep.candidates) > 10, str(rep)
     assert rep.memory_budget is None and s.placement.size == 8
     assert "chosen:" in str(rep) and rep.chosen.name in str(rep)
     model, opt = _init_gpt()
@@ -388,6 +396,24 @@ def test_flax_auto_no_budget_cheapest_and_matches(gpt_reference):
     # 16 tokens, differs by 6.0e-6 (JAX 0.10.2) and 1.13e-5 (JAX 0.11.2) of its largest entry,
     # every other parameter by < 1e-5 on both; the losses are bitwise equal on both
     _check_params(model, gpt_reference[1], tol=3e-5)
+
+
+def test_flax_auto_names_of_one_constrain_call_conflict():
+    """The names of one ``constrain`` call cannot all go to one axis (that strategy would raise
+    when traced): with train_gpt.py's calls, ``act_seq`` and ``embed`` conflict, as two names of
+    one weight do, so Strategy.auto never plans tp=8 {act_seq,embed} (it did, to raise)."""
+    from jsbp.flax._auto import _activation_names
+
+    seen = {("batch", "act_seq", "embed"), ("batch", "seq", "vocab"), ("batch", "heads", None)}
+    seen |= {("batch", ("seq", "heads")), (None, "mlp")}
+    every, mates, conflicts = _activation_names(seen)
+    assert every == {"act_seq", "embed", "seq", "vocab", "heads", "mlp"}
+    assert mates == every - {"mlp"}
+    assert sorted(map(sorted, conflicts)) == [
+        ["act_seq", "embed"],
+        ["heads", "seq"],
+        ["seq", "vocab"],
+    ]
 
 
 def test_flax_auto_bad_inputs():

@@ -19,15 +19,17 @@ The search space is the strategies written by hand (``examples/train_gpt.py``), 
   all-to-all; a name that shares a ``constrain`` call with ``"batch"`` cannot be); and the
   ZeRO stage (0-3: optimizer state, + gradients, + parameters split over ``dp``).
 
-Every candidate is a ``Strategy``; its train step is planned by jsbp (abstract state: nothing
-is put on devices, nothing compiled) and costed with ``jsbp._cost.estimate`` (collectives +
+Every candidate is a ``Strategy``; its train step is planned by jsbp (abstract state: nothing is
+put on devices, nothing compiled) and costed with ``jsbp._cost.estimate`` (collectives +
 compute, predicted peak bytes per device). The tensor-parallel choice is made on the pure ``tp``
 grid (every legal set of the parameters' names when there are at most ``EXHAUSTIVE_OPTIONS``,
 else forward selection: add the option that helps most while one helps; then the activations'
-names by forward selection) and reused on the mixed grids; the names over ``dp`` are a forward
-selection on each grid with a ``dp`` axis, and the ZeRO stages are tried on top of it. The
-cheapest candidate whose predicted peak fits ``memory_budget`` wins (over budget: the least
-excess); ties go to the earlier candidate (fixed order), so the choice is deterministic.
+names by forward selection; a set is legal where no weight and no ``constrain`` call has two of
+its names, which would split two dims over one axis) and reused on the mixed grids; the names
+over ``dp`` are a forward selection on each grid with a ``dp`` axis, and the ZeRO stages are
+tried on top of it. The cheapest candidate whose predicted peak fits ``memory_budget`` wins
+(over budget: the least excess); ties go to the earlier candidate (fixed order), so the choice
+is deterministic.
 """
 
 from __future__ import annotations
@@ -310,16 +312,17 @@ def _strategy(plc, tp_choice, dp_choice, zero) -> Strategy:
     return Strategy(plc, logical_axes=logical, param_sbp=param_sbp, zero=zero)
 
 
-def _activation_names(seen) -> tuple[set, set]:
-    """From the names of a trace's ``constrain`` calls: every name (``"batch"`` excluded), and
-    the names that share a call with ``"batch"`` (they cannot go to the batch's axis)."""
+def _activation_names(seen) -> tuple[set, set, list[set]]:
+    """From the names of a trace's ``constrain`` calls: every name (``"batch"`` excluded), the
+    names that share a call with ``"batch"`` (they cannot go to the batch's axis), and each
+    call's names where it has two or more (two of one call cannot go to one axis)."""
     flat = [
         {x for n in names for x in (n if isinstance(n, tuple) else (n,)) if isinstance(x, str)}
         for names in seen
     ]
     every = set().union(*flat) - {"batch"}
     mates = set().union(*(f for f in flat if "batch" in f)) - {"batch"}
-    return every, mates
+    return every, mates, [f - {"batch"} for f in flat if len(f - {"batch"}) > 1]
 
 
 def _forward(start, options, legal, run, score):
@@ -370,7 +373,7 @@ def auto_strategy(
     # the pure dp grid first: its trace records the activations' logical names
     dp_n, _, dp_plc = grids[0]
     search.try_(_name(dp_n, 1, "{}", 0), _strategy(dp_plc, (), (), 0))
-    act_names, batch_mates = _activation_names(search.names_seen)
+    act_names, batch_mates, act_conflicts = _activation_names(search.names_seen)
     act_only = sorted(act_names - set(names))
 
     def score(c):
@@ -388,7 +391,7 @@ def auto_strategy(
             if names
             else [(p, d) for p, s in _big_matrices(search.flat) for d in (0, 1) if s[d] % tp_n == 0]
         )
-        conflicts = _conflicts(search.flat, names)
+        conflicts = _conflicts(search.flat, names) + act_conflicts  # planned, they would raise
 
         def legal(choice):
             ns = {o for o in choice if isinstance(o, str)}
