@@ -3,6 +3,7 @@ cached per (operation, static arguments) and then per input layout."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import operator
@@ -17,7 +18,12 @@ from ._statickey import static_key
 from ._tensor import GlobalTensor, _canonical_dtype
 from ._trace import current_tracer
 
-_CACHE: dict = {}
+EAGER_CACHE_SIZE = 1024
+"""Most eager programs kept, one per operation and static arguments (``x.reshape(4, 8)`` and
+``x.reshape(8, 4)`` are two); past it the least recently used is dropped (and compiled again if
+called again), so a loop whose static arguments change every step does not grow memory."""
+
+_CACHE: collections.OrderedDict = collections.OrderedDict()
 
 
 def _is_dynamic(x):
@@ -104,8 +110,12 @@ def eager(fn, *args, **kwargs):
             tuple(type(args[i]) for i in dyn_pos if not _is_dynamic(args[i])),
         )
         jf = _CACHE.get(key)
+        if jf is not None:
+            _CACHE.move_to_end(key)
     except TypeError:  # unhashable static argument: no caching of the wrapper
         jf, key = None, None
+    except KeyError:  # another thread dropped it meanwhile
+        pass
     if jf is None:
         n = len(args)
         # copies: the wrapper is cached under these values, a list mutated later must not change it
@@ -120,6 +130,11 @@ def eager(fn, *args, **kwargs):
         jf = JitFunction(call)
         if key is not None:
             _CACHE[key] = jf
+            while len(_CACHE) > EAGER_CACHE_SIZE:
+                try:
+                    _CACHE.popitem(last=False)
+                except KeyError:  # emptied by another thread
+                    break
     try:
         return jf(*(args[i] for i in dyn_pos))
     except (SbpError, PlacementError):

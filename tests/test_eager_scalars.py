@@ -176,6 +176,34 @@ def test_many_distinct_scalars_grow_no_cache(x):
     assert sum(len(jf._cache) for jf in _ops._CACHE.values()) == entries
 
 
+def test_eager_programs_are_kept_least_recently_used_first(x, monkeypatch):
+    """Static arguments that change every call (a reshape's sizes) keep at most
+    ``EAGER_CACHE_SIZE`` programs; the one used last stays, the least recently used goes, and
+    every value is right."""
+    from jsbp import _ops
+
+    monkeypatch.setattr(_ops, "EAGER_CACHE_SIZE", 4)
+    _ops._CACHE.clear()
+    want = x.numpy()
+    n = want.size
+    shapes = [(d, n // d) for d in (1, 2, 3, 4, 6) if n % d == 0]
+    assert len(shapes) == 5, want.shape
+    for shape in shapes:
+        np.testing.assert_array_equal(x.reshape(shape).numpy(), want.reshape(shape))
+        np.testing.assert_array_equal(x.reshape(shapes[0]).numpy(), want.reshape(shapes[0]))
+        assert len(_ops._CACHE) <= 4
+    kept = [k for k in _ops._CACHE if k[0] is jnp.reshape]
+    assert len(kept) == 4 and len(_ops._CACHE) == 4, list(_ops._CACHE)
+    sizes = {k[2] for k in kept}
+    assert _statickey_of(shapes[0]) in sizes and _statickey_of(shapes[1]) not in sizes
+
+
+def _statickey_of(shape):
+    from jsbp._statickey import static_key
+
+    return static_key((shape,))
+
+
 def _captured_alive(make, n=10):
     refs = []
     p = jsbp.placement("cpu", [0, 1, 2, 3])
