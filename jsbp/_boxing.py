@@ -36,7 +36,15 @@ from jax import lax
 from . import _sbp
 from ._layout import Layout, balanced, layout_of, offsets
 
-__all__ = ["Move", "move_cost", "plan", "plan_cost", "make_local_boxer", "COLLECTIVE_LATENCY_BYTES"]
+__all__ = [
+    "Move",
+    "move_cost",
+    "plan",
+    "plan_cost",
+    "make_local_boxer",
+    "widening",
+    "COLLECTIVE_LATENCY_BYTES",
+]
 
 COLLECTIVE_LATENCY_BYTES = 1 << 20
 """A collective's fixed cost, in byte-equivalents, added to the bytes it moves. 1 MiB: a
@@ -142,7 +150,14 @@ def move_cost(mv: Move) -> float:
     return mv.bytes_per_device + step
 
 
-def plan(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, ...], itemsize: int):
+def plan(
+    src: tuple,
+    dst: tuple,
+    shape: tuple[int, ...],
+    hierarchy: tuple[int, ...],
+    itemsize: int,
+    widen: tuple[float, float] = (1.0, 1.0),
+):
     """The cheapest list of ``Move`` s from nd-sbp ``src`` to ``dst`` (normalised, same placement).
 
     The search first allows at most one collective per axis whose SBP changes (DESIGN: "an nd
@@ -156,7 +171,8 @@ def plan(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, .
     that is cheapest for some T (``_frontier``); a call only picks among those for its T.
 
     A tensor without elements has nothing to move: its moves are local (``run_plan`` makes the
-    empty blocks of each layout).
+    empty blocks of each layout). ``widen``: the dtype's ``widening``; each move's
+    ``bytes_per_device`` is what it moves as ``run_plan`` runs it (the path is the same).
     """
     if src == dst:
         return ()
@@ -164,7 +180,40 @@ def plan(src: tuple, dst: tuple, shape: tuple[int, ...], hierarchy: tuple[int, .
     _, path = _best(src, dst, len(shape), hierarchy, total)
     if total == 0:
         return tuple(dataclasses.replace(m, collective=None, bytes_per_device=0.0) for m in path)
-    return tuple(dataclasses.replace(m, bytes_per_device=m.bytes_per_device * total) for m in path)
+    return tuple(
+        dataclasses.replace(m, bytes_per_device=m.bytes_per_device * total * f)
+        for m, f in zip(path, _factors(src, path, widen)[0])
+    )
+
+
+def widening(dtype) -> tuple[float, float]:
+    """How many times its own size a value of ``dtype`` moves where ``run_plan`` widens it:
+    (between a conversion's first and last collective that sums, a 16-bit float's partial sums
+    run in float32, ``sum_dtype``; in a conversion that zero-fills a float into a partial sum,
+    every move carries the value's bits as integers of at least 32 bits, ``_to_bits``)."""
+    if not _real_floating(dtype):
+        return (1.0, 1.0)
+    size = np.dtype(dtype).itemsize
+    wide = sum_dtype(dtype)
+    return (1.0 if wide is None else np.dtype(wide).itemsize / size, max(size, 4) / size)
+
+
+def _factors(src: tuple, path, widen: tuple[float, float]) -> tuple[list[float], float]:
+    """Per move of ``path`` (from ``src``), the factor ``widen`` puts on its bytes, as
+    ``run_plan`` runs it; and the factor of the width its sums run at (``_addends_cost``
+    charges a zero-fill for the reduction it makes necessary)."""
+    window, bits = widen
+    if bits != 1.0 and not any(x.is_partial for x in src):
+        if any(mv.dst.is_partial and not mv.src.is_partial for mv in path):
+            return [bits] * len(path), bits
+    summing = [
+        i
+        for i, mv in enumerate(path)
+        if mv.collective and mv.src.is_partial and mv.src.reduce == "sum"
+    ]
+    if window == 1.0 or not summing:
+        return [1.0] * len(path), window
+    return [window if summing[0] <= i <= summing[-1] else 1.0 for i in range(len(path))], window
 
 
 def _best(src, dst, ndim, hierarchy, total, frontier=None):
@@ -188,24 +237,26 @@ def conversion_cost(
     itemsize: int,
     latency_bytes: float,
     op_bytes: float,
+    widen: tuple[float, float] = (1.0, 1.0),
 ) -> float:
     """What the conversion ``plan`` runs costs in byte-equivalents per device: the bytes each move
     receives, ``latency_bytes`` per collective, ``op_bytes`` per move (the op it runs: a slice, a
     zero-fill, a combined collective member's copies in and out), a local move's fixed charge
     and addends charge (``move_cost``, ``_addends_cost``: a zero-fill S -> P is free by its bytes
-    but makes addends a later collective must reduce). A tensor without elements costs nothing."""
+    but makes addends a later collective must reduce; the bytes as ``plan`` counts them with the
+    dtype's ``widen``). A tensor without elements costs nothing."""
     n = math.prod(shape)
     if src == dst or n == 0:
         return 0.0
     return _conversion_cost(
-        src, dst, len(shape), float(n * itemsize), hierarchy, latency_bytes, op_bytes
+        src, dst, len(shape), float(n * itemsize), hierarchy, latency_bytes, op_bytes, widen
     )
 
 
 @functools.lru_cache(maxsize=1 << 18)
-def _conversion_cost(src, dst, ndim, total, hierarchy, latency_bytes, op_bytes) -> float:
+def _conversion_cost(src, dst, ndim, total, hierarchy, latency_bytes, op_bytes, widen) -> float:
     """``conversion_cost`` of a tensor of rank ``ndim`` and ``total`` bytes (all it depends on)."""
-    lines = conversion_lines(src, dst, ndim, hierarchy, latency_bytes, op_bytes)
+    lines = conversion_lines(src, dst, ndim, hierarchy, latency_bytes, op_bytes, widen)
     return float(line_cost(lines, total))
 
 
@@ -220,19 +271,25 @@ def line_cost(lines: np.ndarray, total):
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def conversion_lines(src, dst, ndim, hierarchy, latency_bytes, op_bytes) -> np.ndarray:
+def conversion_lines(
+    src, dst, ndim, hierarchy, latency_bytes, op_bytes, widen=(1.0, 1.0)
+) -> np.ndarray:
     """``_frontier``'s paths as rows (bytes coefficient, fixed cost: what picks the path at a
     size; per byte, fixed: the path's charges for ``conversion_cost``, summed over its moves: the
-    bytes each receives and its ``_addends_cost`` per byte, ``latency_bytes`` per collective or
-    the move's fixed ``move_cost``, and ``op_bytes`` per move). Read-only."""
+    bytes each receives (with the dtype's ``widen``, as ``plan`` counts them) and its
+    ``_addends_cost`` per byte, ``latency_bytes`` per collective or the move's fixed
+    ``move_cost``, and ``op_bytes`` per move). Read-only."""
     if src == dst:
         out = np.zeros((1, 4))
     else:
         rows = []
         for (a, b), path in _frontier(src, dst, ndim, hierarchy):
             state, per_byte, fixed = list(src), 0.0, 0.0
-            for mv in path:
-                per_byte += mv.bytes_per_device + _addends_cost(tuple(state), mv, hierarchy)
+            factors, sums = _factors(src, path, widen)
+            for mv, f in zip(path, factors):
+                per_byte += f * mv.bytes_per_device + sums * _addends_cost(
+                    tuple(state), mv, hierarchy
+                )
                 fixed += op_bytes + (
                     latency_bytes if mv.collective else move_cost(mv) - mv.bytes_per_device
                 )
@@ -881,7 +938,12 @@ def _from_bits(u, dtype):
 def make_local_boxer(src: Layout, dst: Layout, dtype):
     """A function local_block -> local_block (physical blocks, partial dim included) for shard_map."""
     moves = plan(
-        src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, np.dtype(dtype).itemsize
+        src.nd_sbp,
+        dst.nd_sbp,
+        src.shape,
+        src.placement.hierarchy,
+        np.dtype(dtype).itemsize,
+        widening(dtype),
     )
     if math.prod(src.shape) == 0:  # nothing to move: every block is empty
         out_block = ((1,) if dst.partial_axes else ()) + dst.local_shape

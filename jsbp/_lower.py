@@ -18,7 +18,7 @@ import warnings
 from jax.extend import core as jcore
 
 from . import _sbp
-from ._boxing import COLLECTIVE_LATENCY_BYTES
+from ._boxing import COLLECTIVE_LATENCY_BYTES, widening
 from ._boxing import plan as box_plan
 from ._combine import combine_collectives
 from ._cost import itemsize
@@ -42,7 +42,8 @@ def lower(
         return layout_of(placement, tuple(nd), tuple(aval.shape))
 
     def moves(aval, src, dst):
-        return box_plan(src, dst, tuple(aval.shape), hier, itemsize(aval.dtype))
+        size = itemsize(aval.dtype)
+        return box_plan(src, dst, tuple(aval.shape), hier, size, widening(aval.dtype))
 
     hubs: dict = {}
 
@@ -330,7 +331,14 @@ def _reduce_before_transposes(prog: Program, seen=None) -> None:
             0,
             lin,
             new_in,
-            box_plan(lin.nd_sbp, nd, lin.shape, lin.placement.hierarchy, itemsize(x.aval.dtype)),
+            box_plan(
+                lin.nd_sbp,
+                nd,
+                lin.shape,
+                lin.placement.hierarchy,
+                itemsize(x.aval.dtype),
+                widening(x.aval.dtype),
+            ),
         )
         if _moves_cost(moved.moves) > _moves_cost(bx.moves):
             continue

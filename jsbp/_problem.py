@@ -40,7 +40,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import _sbp
-from ._boxing import combined_collective, conversion_cost
+from ._boxing import combined_collective, conversion_cost, widening
 from ._cost import DEFAULT_COST, CostModel, itemsize
 from ._errors import SbpError
 from ._layout import layout_of
@@ -202,7 +202,9 @@ class Problem:
             return 0.0
         latency = self.model.latency_bytes
         hier, size = self.placement.hierarchy, itemsize(val.aval.dtype)
-        cost = conversion_cost(src, dst, val.shape, hier, size, latency, self.model.op_bytes)
+        cost = conversion_cost(
+            src, dst, val.shape, hier, size, latency, self.model.op_bytes, widening(val.aval.dtype)
+        )
         if val.deferrable:
             pricing = self.pricing(share)
             for k in self.joins(val, src, dst):

@@ -22,7 +22,7 @@ from collections import Counter
 
 import numpy as np
 
-from ._boxing import conversion_lines, line_cost
+from ._boxing import conversion_lines, line_cost, widening
 from ._core import exact_core, milp, min_sum
 from ._cost import itemsize
 from ._problem import Problem, latency_part, repeats, through_hub
@@ -342,22 +342,22 @@ def exact(prob: Problem, max_vars: float = np.inf) -> list[int] | None:
 class _Tables:
     """Conversion costs of the values of ``prob`` as matrices over layouts, filled as they are
     read and scaled by each value's ``times``. A conversion's cost depends only on the tensor's
-    rank and bytes (``_boxing.conversion_cost``), so values of one rank share their layouts' rows
-    and columns, and values of one rank and size one table. A pair of layouts' cheapest paths
-    (``_boxing.conversion_lines``: cost linear in the bytes, one line per path) are found once per
-    rank; a table's missing entries are then priced together (``line_cost``). A deferrable
+    rank, bytes and dtype's widening (``_boxing.conversion_cost``), so values of one rank share
+    their layouts' rows and columns, and values of one rank, size and widening one table. A pair
+    of layouts' cheapest paths (``_boxing.conversion_lines``: cost linear in the bytes, one line
+    per path) are found once per rank and widening; a table's missing entries are then priced together (``line_cost``). A deferrable
     value's pricing (``Problem.joined``) takes off part of the latency of the combined
     collective each conversion joins: per shape and item size, a table of those collectives
     (``combined_collective``; -1: none). Kept in ``Problem.cache``: ``solve``'s runs share them."""
 
     def __init__(self, prob: Problem):
         self.prob = prob
-        self.costs: dict = {}  # (rank, bytes) -> [table]
+        self.costs: dict = {}  # (rank, bytes, widening) -> [table]
         self.groups: dict = {}  # (shape, item size) -> [table of collectives' indices]
         self.keys: dict = {}  # combined collective (kind, axes) -> its index in the group tables
         self.layouts: dict = {}  # rank -> {layout: its row and column}
         self.cols: dict = {}  # ``columns``' arrays
-        self.lines: dict = {}  # rank -> [layouts x layouts x paths x 4: ``conversion_lines``]
+        self.lines: dict = {}  # (rank, widening) -> [layouts x layouts x paths x 4]
         self.made: dict = {}  # (kind, pricing, times) -> ``of``'s functions
         self.parts: dict = {}  # (pricing, batch) -> ``_member_parts``' array
 
@@ -413,13 +413,13 @@ class _Tables:
         ``val.times``."""
         prob, rank, times = self.prob, len(val.shape), val.times
         lays = self.layouts.setdefault(rank, {})
-        costs = self.costs.setdefault(kind[:2], [np.zeros((0, 0))])
-        groups = self.groups.setdefault(kind[2:4], [np.zeros((0, 0))])
+        costs = self.costs.setdefault(kind[:3], [np.zeros((0, 0))])
+        groups = self.groups.setdefault(kind[3:5], [np.zeros((0, 0))])
 
-        def cost(a, b):  # the conversions a[i] -> b[i] of a tensor of this rank and size
+        def cost(a, b):  # the conversions a[i] -> b[i] of a tensor of this rank, size and dtype
             if kind[1] == 0:
                 return np.zeros(len(a))
-            return line_cost(self._lines(rank, a, b), kind[1])
+            return line_cost(self._lines(rank, kind[2], a, b), kind[1])
 
         def group(a, b):
             nds = list(lays)
@@ -452,18 +452,18 @@ class _Tables:
             return -1
         return self.keys.setdefault(ks[0][:2], len(self.keys))  # (kind, axes), without the batch
 
-    def _lines(self, rank: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    def _lines(self, rank: int, widen: tuple, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """``_boxing.conversion_lines`` of the layout pairs (a[i], b[i]) of tensors of ``rank``
-        (rows and columns of ``_index``), padded to one number of paths (a padding path is never
-        the cheapest)."""
+        (rows and columns of ``_index``) and a dtype's ``widen``, padded to one number of paths
+        (a padding path is never the cheapest)."""
         lays = self.layouts[rank]
-        entry = self.lines.setdefault(rank, [np.full((0, 0, 1, 4), np.nan)])
+        entry = self.lines.setdefault((rank, widen), [np.full((0, 0, 1, 4), np.nan)])
         miss = np.isnan(_grown(entry, len(lays))[a, b, 0, 0])
         if miss.any():
             nds, model, hier = list(lays), self.prob.model, self.prob.placement.hierarchy
             for i, j in set(zip(a[miss].tolist(), b[miss].tolist())):
                 got = conversion_lines(
-                    nds[i], nds[j], rank, hier, model.latency_bytes, model.op_bytes
+                    nds[i], nds[j], rank, hier, model.latency_bytes, model.op_bytes, widen
                 )
                 if len(got) > entry[0].shape[2]:
                     wide = np.empty(entry[0].shape[:2] + (len(got), 4))
@@ -477,10 +477,12 @@ class _Tables:
 
 
 def _kind(val) -> tuple:
-    """A value's table, but for a deferrable value's batch: (rank, bytes), and a deferrable
-    value's shape and item size (the combined collectives its conversions join)."""
-    size = itemsize(val.aval.dtype)
-    kind = (len(val.shape), math.prod(val.shape) * size)
+    """A value's table, but for a deferrable value's batch: (rank, bytes, the dtype's
+    ``_boxing.widening``), and a deferrable value's shape and item size (the combined
+    collectives its conversions join)."""
+    dtype = val.aval.dtype
+    size = itemsize(dtype)
+    kind = (len(val.shape), math.prod(val.shape) * size, widening(dtype))
     return kind + (val.shape, size) if val.deferrable else kind
 
 

@@ -93,3 +93,59 @@ def test_explain_reports_the_compiled_collectives():
 
     plan = jsbp.explain(f, x, w)
     assert plan.estimate.compiled_collectives == sum(plan.collectives().values())
+
+
+_R22 = jsbp.placement("cpu", [[0, 1], [2, 3]])
+_WIDTH_CASES = {  # (placement, from, to, whether a 16-bit float moves 32 bits wide)
+    "P->B all-reduce": (P4, "P", "B", True),
+    "P->S reduce-scatter": (P4, "P", "S(0)", True),
+    "S->B all-gather": (P4, "S(1)", "B", False),
+    "(S,S)->(B,B) zero-fill + all-reduce": (_R22, ("S(0)", "S(1)"), ("B", "B"), True),
+    "(P,S)->(B,B)": (_R22, ("P", "S(1)"), ("B", "B"), True),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", list(_WIDTH_CASES))
+def test_16_bit_floats_are_priced_at_the_width_they_move(case, dtype):
+    """A 16-bit float's partial sums are reduced in float32, and a float zero-filled into a
+    partial sum travels as 32-bit integers (its bits); an all-gather moves the 16-bit blocks.
+    ``explain``, the cost model's estimate and the planner's price of the conversion count the
+    bytes the compiled program's collectives carry: those of float32 where it moves 32 bits wide,
+    half of them where it does not."""
+    from jsbp import _boxing
+    from jsbp._cost import DEFAULT_COST
+
+    plc, src, dst, wide = _WIDTH_CASES[case]
+    moved, priced = {}, {}
+    for dt in ("float32", dtype):
+        x = jsbp.tensor(np.ones((8, 16)), placement=plc, sbp=src, dtype=dt)
+        fn = jsbp.jit(lambda x: x * 2, out_sbp=dst)
+        np.testing.assert_array_equal(fn(x).numpy().astype(np.float32), 2 * np.ones((8, 16)))
+        plan = jsbp.explain(fn, x)
+        est = jsbp.debug.estimate(fn, x)
+        assert plan.total_bytes_per_device == est.comm_bytes > 0
+        moved[dt] = est.comm_bytes
+        types = {  # the element types the compiled collectives carry
+            line.split("=", 1)[1].split("[", 1)[0].strip()
+            for line in fn.lower(x).compile().as_text().splitlines()
+            if any(f" {k}(" in line for k in ("all-reduce", "all-gather", "reduce-scatter"))
+        }
+        # (XLA:CPU itself carries a bfloat16 all-gather as float32; jsbp moves 16 bits there)
+        narrow = {"float16": {"f16"}, "bfloat16": {"bf16", "f32"}}.get(dt, {"f32"})
+        assert types and types <= ({"f32", "u32"} if wide else narrow), types
+        priced[dt] = _boxing.conversion_cost(
+            x.sbp,
+            jsbp.tensor(np.ones((8, 16)), placement=plc, sbp=dst).sbp,
+            (8, 16),
+            plc.hierarchy,
+            np.dtype(jnp.dtype(dt)).itemsize,
+            DEFAULT_COST.latency_bytes,
+            DEFAULT_COST.op_bytes,
+            _boxing.widening(jnp.dtype(dt)),
+        )
+    assert moved[dtype] == (1.0 if wide else 0.5) * moved["float32"], (moved, str(plan))
+    if wide:
+        assert priced[dtype] == priced["float32"], priced
+    else:
+        assert priced[dtype] < priced["float32"], priced

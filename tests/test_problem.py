@@ -503,18 +503,20 @@ def test_a_deeper_stack_adds_no_node_to_the_solvers_model(monkeypatch):
     assert linked5 == linked3, (linked3, linked5)
 
 
-def test_the_solvers_conversion_tables_price_every_pair_as_the_problem_does():
-    """The solver's tables (one per rank and size, filled a block at a time from each pair's
-    paths, ``_boxing.conversion_lines``) against ``Problem.conversion`` one pair at a time: every
-    pair of layouts of every value of a 2-d train step, values of one rank read after another
-    size's table has seen pairs with more paths, deferrable values under both pricings."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_solvers_conversion_tables_price_every_pair_as_the_problem_does(dtype):
+    """The solver's tables (one per rank, size and dtype widening, filled a block at a time from
+    each pair's paths, ``_boxing.conversion_lines``) against ``Problem.conversion`` one pair at a
+    time: every pair of layouts of every value of a 2-d train step, values of one rank read after
+    another size's table has seen pairs with more paths, deferrable values under both pricings
+    (bfloat16: partial sums priced in float32, as they run)."""
     params = [
         (
-            jsbp.tensor(rand(8, 16), placement=R22, sbp=("B", "S(1)")),
-            jsbp.tensor(rand(16, 8), placement=R22, sbp=("B", "S(0)")),
+            jsbp.tensor(rand(8, 16), placement=R22, sbp=("B", "S(1)"), dtype=dtype),
+            jsbp.tensor(rand(16, 8), placement=R22, sbp=("B", "S(0)"), dtype=dtype),
         )
     ]
-    x = jsbp.tensor(rand(4, 6, 8), placement=R22, sbp=("S(0)", "B"))
+    x = jsbp.tensor(rand(4, 6, 8), placement=R22, sbp=("S(0)", "B"), dtype=dtype)
     prob = _problem_of(_stack(1), params, x)
     tables = _solve._Tables(prob)
     per_rank = {}
