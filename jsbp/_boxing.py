@@ -156,7 +156,7 @@ def plan(
     shape: tuple[int, ...],
     hierarchy: tuple[int, ...],
     itemsize: int,
-    widen: tuple[float, float] = (1.0, 1.0),
+    widen: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ):
     """The cheapest list of ``Move`` s from nd-sbp ``src`` to ``dst`` (normalised, same placement).
 
@@ -186,23 +186,28 @@ def plan(
     )
 
 
-def widening(dtype) -> tuple[float, float]:
+def widening(dtype) -> tuple[float, float, float]:
     """How many times its own size a value of ``dtype`` moves where ``run_plan`` widens it:
     (between a conversion's first and last collective that sums, a 16-bit float's partial sums
     run in float32, ``sum_dtype``; in a conversion that zero-fills a float into a partial sum,
-    every move carries the value's bits as integers of at least 32 bits, ``_to_bits``)."""
+    every move carries the value's bits as integers of at least 32 bits, ``_to_bits``; a
+    collective that reduces booleans carries them as int32, ``collective_dtype``)."""
+    if dtype == jnp.bool_:
+        return (1.0, 1.0, float(np.dtype(collective_dtype(dtype, True)).itemsize))
     if not _real_floating(dtype):
-        return (1.0, 1.0)
+        return (1.0, 1.0, 1.0)
     size = np.dtype(dtype).itemsize
     wide = sum_dtype(dtype)
-    return (1.0 if wide is None else np.dtype(wide).itemsize / size, max(size, 4) / size)
+    return (1.0 if wide is None else np.dtype(wide).itemsize / size, max(size, 4) / size, 1.0)
 
 
-def _factors(src: tuple, path, widen: tuple[float, float]) -> tuple[list[float], float]:
+def _factors(src: tuple, path, widen: tuple[float, float, float]) -> tuple[list[float], float]:
     """Per move of ``path`` (from ``src``), the factor ``widen`` puts on its bytes, as
     ``run_plan`` runs it; and the factor of the width its sums run at (``_addends_cost``
     charges a zero-fill for the reduction it makes necessary)."""
-    window, bits = widen
+    window, bits, reducing = widen
+    if reducing != 1.0:
+        return [reducing if mv.collective and mv.src.is_partial else 1.0 for mv in path], reducing
     if bits != 1.0 and not any(x.is_partial for x in src):
         if any(mv.dst.is_partial and not mv.src.is_partial for mv in path):
             return [bits] * len(path), bits
@@ -237,7 +242,7 @@ def conversion_cost(
     itemsize: int,
     latency_bytes: float,
     op_bytes: float,
-    widen: tuple[float, float] = (1.0, 1.0),
+    widen: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> float:
     """What the conversion ``plan`` runs costs in byte-equivalents per device: the bytes each move
     receives, ``latency_bytes`` per collective, ``op_bytes`` per move (the op it runs: a slice, a
@@ -272,7 +277,7 @@ def line_cost(lines: np.ndarray, total):
 
 @functools.lru_cache(maxsize=1 << 16)
 def conversion_lines(
-    src, dst, ndim, hierarchy, latency_bytes, op_bytes, widen=(1.0, 1.0)
+    src, dst, ndim, hierarchy, latency_bytes, op_bytes, widen=(1.0, 1.0, 1.0)
 ) -> np.ndarray:
     """``_frontier``'s paths as rows (bytes coefficient, fixed cost: what picks the path at a
     size; per byte, fixed: the path's charges for ``conversion_cost``, summed over its moves: the

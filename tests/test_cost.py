@@ -105,6 +105,46 @@ _WIDTH_CASES = {  # (placement, from, to, whether a 16-bit float moves 32 bits w
 }
 
 
+def test_boolean_sums_are_priced_at_the_width_they_move():
+    """A partial sum of booleans (their logical or) is reduced as int32 (``collective_dtype``),
+    an all-gather of booleans moves a byte each: ``explain``, the estimate and the planner's
+    price count those bytes, which the compiled collectives carry."""
+    from jsbp import _boxing
+    from jsbp._cost import DEFAULT_COST
+
+    v = np.arange(64).reshape(4, 16) % 3 == 0
+    for src, dst, kind, width, coll in (
+        ("S(0)", "B", "all-gather", 1, "u8"),
+        ("P", "B", "all-reduce", 4, "s32"),
+    ):
+        x = jsbp.tensor(v, placement=P4, sbp=src)
+        fn = jsbp.jit(lambda x: ~x, out_sbp=dst)
+        np.testing.assert_array_equal(fn(x).numpy(), ~v)
+        est = jsbp.debug.estimate(fn, x)
+        assert jsbp.explain(fn, x).total_bytes_per_device == est.comm_bytes
+        ring = 3 / 4 * v.size * width  # what one device receives of a ring over 4
+        assert est.comm_bytes == (2 * ring if kind == "all-reduce" else ring), str(
+            jsbp.explain(fn, x)
+        )
+        types = {
+            line.split("=", 1)[1].split("[", 1)[0].strip()
+            for line in fn.lower(x).compile().as_text().splitlines()
+            if f" {kind}(" in line
+        }
+        assert types == {coll}, types
+        priced = _boxing.conversion_cost(
+            x.sbp,
+            jsbp.tensor(v, placement=P4, sbp=dst).sbp,
+            v.shape,
+            P4.hierarchy,
+            1,
+            DEFAULT_COST.latency_bytes,
+            DEFAULT_COST.op_bytes,
+            _boxing.widening(jnp.dtype(bool)),
+        )
+        assert priced >= est.comm_bytes + DEFAULT_COST.latency_bytes
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", list(_WIDTH_CASES))
 def test_16_bit_floats_are_priced_at_the_width_they_move(case, dtype):
