@@ -186,6 +186,7 @@ def plan(
     )
 
 
+@functools.lru_cache(maxsize=256)  # (read for every value the planner prices)
 def widening(dtype) -> tuple[float, float, float]:
     """How many times its own size a value of ``dtype`` moves where ``run_plan`` widens it:
     (between a conversion's first and last collective that sums, a 16-bit float's partial sums
