@@ -284,7 +284,11 @@ def conversion_lines(
     size; per byte, fixed: the path's charges for ``conversion_cost``, summed over its moves: the
     bytes each receives (with the dtype's ``widen``, as ``plan`` counts them) and its
     ``_addends_cost`` per byte, ``latency_bytes`` per collective or the move's fixed
-    ``move_cost``, and ``op_bytes`` per move). Read-only."""
+    ``move_cost``, and ``op_bytes`` per move). Read-only. Computed once per pair of
+    ``_renumbered`` layouts."""
+    canon = _renumbered(src, dst, ndim)
+    if canon is not None:
+        return conversion_lines(*canon[:2], ndim, hierarchy, latency_bytes, op_bytes, widen)
     if src == dst:
         out = np.zeros((1, 4))
     else:
@@ -365,10 +369,43 @@ def plan_cost(
     return cost, len(path)
 
 
+def _renumbered(src, dst, ndim):
+    """``(src, dst, back)`` with the dims renumbered in the order ``src`` then ``dst`` first
+    split them (the others after, in order), and ``back`` the old number of each new one; None
+    where that order is already theirs. Boxing's costs and paths do not depend on the dims'
+    numbers (every move is priced on a tensor's bytes), so a search is run once per renumbered
+    pair and its paths renamed back."""
+    order: list = []
+    for x in src + dst:
+        if x.is_split and x.dim not in order:
+            order.append(x.dim)
+    if order == list(range(len(order))):
+        return None
+    back = (*order, *(d for d in range(ndim) if d not in order))
+    new = [0] * ndim
+    for k, d in enumerate(back):
+        new[d] = k
+    return _renamed_nd(src, new), _renamed_nd(dst, new), back
+
+
+def _renamed_nd(nd, new) -> tuple:
+    return tuple(_sbp.Split(new[x.dim]) if x.is_split else x for x in nd)
+
+
+def _renamed(mv: Move, back) -> Move:
+    src, dst = _renamed_nd((mv.src, mv.dst), back)
+    return dataclasses.replace(mv, src=src, dst=dst)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _frontier(src, dst, ndim, hierarchy):
     """Every path from ``src`` to ``dst`` that is the cheapest for some tensor size, as
-    ((bytes coefficient, fixed cost), moves with per-byte ``bytes_per_device``)."""
+    ((bytes coefficient, fixed cost), moves with per-byte ``bytes_per_device``); searched on the
+    ``_renumbered`` pair."""
+    canon = _renumbered(src, dst, ndim)
+    if canon is not None:
+        found = _frontier(*canon[:2], ndim, hierarchy)
+        return tuple((ab, tuple(_renamed(mv, canon[2]) for mv in path)) for ab, path in found)
     paths = _within_budget(_reach(src, ndim, hierarchy), dst, src, dst)
     if not paths:  # an outer split moving under an inner one: more collectives than axes
         paths = _pareto(_search(src, dst, ndim, hierarchy))

@@ -390,6 +390,44 @@ def test_plans_are_cached():
     assert y.sbp == jsbp.sbp.parse_nd(("B", "S(1)"))
 
 
+def _renamed(perm, nd):
+    return tuple(jsbp.sbp.split(perm[x.dim]) if x.is_split else x for x in nd)
+
+
+def test_pairs_that_differ_by_the_dims_numbers_are_searched_once():
+    """Boxing's paths do not depend on which dims are split, only on the pattern: a pair is
+    searched once in its renumbered form (``_boxing._renumbered``) and its paths renamed back.
+    Every renaming of sampled rank-3 pairs on 2 x 4 plans the moves of one search at the same
+    cost, each path a walk from its own source to its own destination (a path may pass through
+    a dim neither end splits: any such dim serves)."""
+    from jsbp import _boxing
+
+    h = (2, 4)
+    ndim = 3
+    parse = lambda nd: tuple(map(jsbp.sbp.parse, nd))
+    names = ("S(0)", "S(1)", "S(2)", "B", "P")
+    nds = [parse(nd) for nd in itertools.product(names, repeat=2)]
+    for src, dst in sample([(s, d) for s in nds for d in nds], 0.25, "renumbered"):
+        _boxing._frontier.cache_clear()
+        _boxing._reach.cache_clear()
+        base = _boxing._frontier(src, dst, ndim, h)
+        for perm in itertools.permutations(range(ndim)):
+            a, b = _renamed(perm, src), _renamed(perm, dst)
+            got = _boxing._frontier(a, b, ndim, h)
+            assert [ab for ab, _ in got] == [ab for ab, _ in base], (src, dst, perm)
+            for (_, p), (_, q) in zip(got, base):
+                assert [(m.axes, m.collective, m.bytes_per_device) for m in p] == [
+                    (m.axes, m.collective, m.bytes_per_device) for m in q
+                ]
+                state = list(a)
+                for m in p:
+                    assert all(state[ax] == m.src for ax in m.axes), (a, b, [str(m) for m in p])
+                    for ax in m.axes:
+                        state[ax] = m.dst
+                assert tuple(state) == b, (a, b, [str(m) for m in p])
+        assert _boxing._reach.cache_info().misses <= 1  # one search from the renumbered source
+
+
 # -- gradients through boxing --------------------------------------------------------------------
 
 _GV = np.random.default_rng(11).standard_normal((13, 17)).astype(np.float32)
