@@ -147,8 +147,8 @@ def _others(n, u: int, val):
     own = [i for w, i in val.uses if w == u]
 
     def others(choice, asked):
-        mine = Counter(n.cands[choice[u]][0][i] for i in own)
-        return [t for t, k in asked[id(val)].items() if k > mine[t]]
+        mine = [n.cands[choice[u]][0][i] for i in own]
+        return [t for t, k in asked[id(val)].items() if k > mine.count(t)]
 
     return others
 
