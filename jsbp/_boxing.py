@@ -173,7 +173,10 @@ def plan(
     A tensor without elements has nothing to move: its moves are local (``run_plan`` makes the
     empty blocks of each layout). ``widen``: the dtype's ``widening``; each move's
     ``bytes_per_device`` is what it moves as ``run_plan`` runs it (the path is the same).
+    Layouts are planned as the devices hold them (``on_devices``: nothing moves on an axis of
+    one device).
     """
+    src, dst = on_devices(src, hierarchy), on_devices(dst, hierarchy)
     if src == dst:
         return ()
     total = float(math.prod(shape) * itemsize)
@@ -184,6 +187,15 @@ def plan(
         dataclasses.replace(m, bytes_per_device=m.bytes_per_device * total * f)
         for m, f in zip(path, _factors(src, path, widen)[0])
     )
+
+
+def on_devices(nd: tuple, hierarchy: tuple[int, ...]) -> tuple:
+    """``nd`` as the devices hold it: on an axis of one device a split (one piece: the whole
+    dim) and a partial value (one addend: the value) are B. Boxing plans, prices and runs
+    conversions between these, so a change on such an axis alone moves nothing."""
+    if 1 not in hierarchy:
+        return nd
+    return tuple(_sbp.broadcast if n == 1 else x for x, n in zip(nd, hierarchy))
 
 
 @functools.lru_cache(maxsize=256)  # (read for every value the planner prices)
@@ -252,6 +264,7 @@ def conversion_cost(
     but makes addends a later collective must reduce; the bytes as ``plan`` counts them with the
     dtype's ``widen``). A tensor without elements costs nothing."""
     n = math.prod(shape)
+    src, dst = on_devices(src, hierarchy), on_devices(dst, hierarchy)
     if src == dst or n == 0:
         return 0.0
     return _conversion_cost(
@@ -285,7 +298,10 @@ def conversion_lines(
     bytes each receives (with the dtype's ``widen``, as ``plan`` counts them) and its
     ``_addends_cost`` per byte, ``latency_bytes`` per collective or the move's fixed
     ``move_cost``, and ``op_bytes`` per move). Read-only. Computed once per pair of
-    ``_renumbered`` layouts."""
+    ``_renumbered`` layouts, as the devices hold them (``on_devices``)."""
+    held = on_devices(src, hierarchy), on_devices(dst, hierarchy)
+    if held != (src, dst):
+        return conversion_lines(*held, ndim, hierarchy, latency_bytes, op_bytes, widen)
     canon = _renumbered(src, dst, ndim)
     if canon is not None:
         return conversion_lines(*canon[:2], ndim, hierarchy, latency_bytes, op_bytes, widen)
@@ -325,6 +341,7 @@ def combined_collective(
     """The combined collective the conversion joins when its value can wait (``_combine``): its
     (kind, axes) as a 1-tuple where ``plan`` is one all-gather, reduce-scatter or all-reduce of a
     sum between even layouts of a tensor with elements; else ()."""
+    src, dst = on_devices(src, hierarchy), on_devices(dst, hierarchy)
     if src == dst or math.prod(shape) == 0 or not all(map(_gathers_or_reduces, src, dst)):
         return ()
     total = float(math.prod(shape) * itemsize)
@@ -360,6 +377,7 @@ def plan_cost(
     into many layouts; "dst": many candidate layouts costed into one wanted layout). It picks the
     search that serves the most calls from one run (from ``src``, or backwards to ``dst``); the
     answer is the same either way."""
+    src, dst = on_devices(src, hierarchy), on_devices(dst, hierarchy)
     if src == dst:
         return 0.0, 0
     frontier = _frontier_to if fixed == "dst" else _frontier
@@ -918,8 +936,12 @@ def _apply_move(x, mv: Move, before: Layout, after: Layout):
 
 
 def run_plan(x, moves, src_layout: Layout):
-    """Apply ``moves`` to local block ``x`` (no partial dim). Returns (x, final_layout)."""
+    """Apply ``moves`` (``plan``'s) to local block ``x`` (no partial dim). Returns (x,
+    final_layout: as the devices hold it, ``on_devices``)."""
     lay = src_layout
+    held = on_devices(lay.nd_sbp, lay.placement.hierarchy)
+    if held != lay.nd_sbp:
+        lay = layout_of(lay.placement, held, lay.shape)
     empty = math.prod(lay.shape) == 0  # every block is empty: nothing to communicate
     # 16-bit floats: float32 from the first collective that sums addends to the last (one
     # rounding, see ``sum_dtype``); the collectives carry the same count of values as before

@@ -227,6 +227,42 @@ def test_collectives_zero_size_tensor(src, dst, _):
     check_global(x.to_global(sbp=dst), np.zeros((8, 0, 4), np.float32), (dst,))
 
 
+def _one_device_axis_cases():
+    """Pairs on 2-d placements with an axis of one device: every pair whose change on that axis
+    only (the others kept) on (4, 1) and (1, 4), plus a sample of the rest; all with JSBP_FULL=1."""
+    out = []
+    for grid in ((4, 1), (1, 4)):
+        big = grid.index(4)
+        pairs = [(s, d) for s in nd_sbps(2) for d in nd_sbps(2)]
+        alone = [(s, d) for s, d in pairs if s[big] == d[big]]
+        rest = [p for p in pairs if p not in alone]
+        out += [
+            (grid, s, d) for s, d in alone + (rest if FULL else sample(rest, 0.08, f"one-{grid}"))
+        ]
+    return out
+
+
+@pytest.mark.parametrize(
+    "grid,src,dst", _one_device_axis_cases(), ids=lambda v: ",".join(map(str, v))
+)
+def test_an_axis_of_one_device_moves_nothing(grid, src, dst):
+    """On an axis of one device, S (one piece) and P (one addend) hold what B holds: a conversion
+    runs exactly the collectives of the same conversion on the placement without that axis, so a
+    change on that axis alone runs none (e.g. the Flax miniGPT tutorial's ('batch', 'model') mesh
+    with one 'model' device: its kernels' S(1) over 'model' is the whole kernel)."""
+    plc = jsbp.placement("cpu", np.arange(4).reshape(grid))
+    big = grid.index(4)
+    value = make_value((13, 17), seed=5)
+    x = global_from_oracle(value, plc, src, seed=3)
+    check_global(x.to_global(sbp=dst), value, dst)
+    assert _counts(x, dst) == _line_counts(src[big], dst[big])
+
+
+@functools.cache
+def _line_counts(src, dst):
+    return _counts(jsbp.zeros((13, 17), placement=placement_of("4"), sbp=src), dst)
+
+
 TWO_D_EXACT = [
     # axes changing the same way share ONE collective over both axis names
     (("S(0)", "S(0)"), ("B", "B"), {"all-gather": 1}),

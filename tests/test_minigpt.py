@@ -91,11 +91,15 @@ def test_minigpt_trains_like_one_device(name):
     assert "reshard" in plan
 
 
-def test_minigpt_data_parallel_moves_only_the_gradients():
-    """On a 1-d data-parallel placement (the tutorial's 'model' axis absent: its metadata names
-    unsplit), the typed requests of the explicit-sharding idioms add no communication: one step
-    is one combined all-reduce of the gradients (and the loss), nothing else."""
-    plc = jsbp.placement("cpu", [0, 1, 2, 3], axis_names=("batch",))
+@pytest.mark.parametrize("grid", [(4,), (4, 1)], ids=str)
+def test_minigpt_data_parallel_moves_only_the_gradients(grid):
+    """Data parallel, the tutorial's 'model' axis absent (its metadata names unsplit) or of one
+    device (its splits over 'model' are whole): the typed requests of the explicit-sharding
+    idioms add no communication: one step is one combined all-reduce of the gradients (and the
+    loss), nothing else."""
+    plc = jsbp.placement(
+        "cpu", np.arange(4).reshape(grid), axis_names=("batch", "model")[: len(grid)]
+    )
     strategy = jflax.Strategy(plc, data_axis="batch")
     with nnx.use_eager_sharding(False):
         model = mg.create_model(nnx.Rngs(0))
