@@ -40,7 +40,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import _sbp
-from ._boxing import combined_collective, conversion_cost, widening
+from ._boxing import combined_collective, conversion_cost, on_devices, widening
 from ._cost import DEFAULT_COST, CostModel, itemsize
 from ._errors import SbpError
 from ._layout import layout_of
@@ -81,7 +81,17 @@ def _norm_sig(sig):
 
 def legal_signatures(placement, rule, eqn, cur=()) -> list[tuple[tuple, tuple]]:
     """The nd signatures ``rule`` offers for ``eqn`` on ``placement`` (per-axis rules expanded over
-    the axes), normalised to tuples, without those that split a missing dim or mix partial kinds."""
+    the axes), normalised to tuples, without those that split a missing dim or mix partial kinds;
+    on an axis of one device, B (``on_devices``: S and P over one device are B there)."""
+    legal = _offered(placement, rule, eqn, cur)
+    h = placement.hierarchy
+    if 1 not in h:
+        return legal
+    held = lambda nds: tuple(on_devices(nd, h) for nd in nds)
+    return list(dict.fromkeys((held(ins), held(outs)) for ins, outs in legal))
+
+
+def _offered(placement, rule, eqn, cur) -> list[tuple[tuple, tuple]]:
     ctx = RuleContext(
         eqn.primitive,
         dict(eqn.params),

@@ -636,3 +636,29 @@ def test_sibling_statistics_are_priced_as_the_one_all_reduce_that_runs_them():
     counts = jsbp.debug.count_collectives(jsbp.jit(batch_norm), x, w)
     assert {k: v for k, v in counts.items() if v} == {"all-reduce": 1}
     assert jsbp.debug.estimate(jsbp.jit(batch_norm), x, w).collectives == 1
+
+
+@pytest.mark.parametrize(
+    "fn,args",
+    [
+        (jnp.matmul, (jnp.ones((8, 16)), jnp.ones((16, 32)))),
+        (lambda x: jnp.sum(x, axis=1), (jnp.ones((8, 16)),)),
+        (lambda x, y: x + y, (jnp.ones((8, 16)), jnp.ones((8, 16)))),
+    ],
+    ids=["dot", "reduce_sum", "add"],
+)
+def test_an_axis_of_one_device_offers_only_b(fn, args):
+    """S and P over one device are B (``_boxing.on_devices``): on (4, 1) a rule offers exactly
+    its signatures on (4,) with B on the one-device axis, so such a mesh is planned as the one
+    without that axis (not over ~(rank + 2) times as many candidates)."""
+    (eqn,) = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    rule = _lower._registry.get_rule(eqn.primitive.name)
+    one_d = _problem.legal_signatures(jsbp.placement("cpu", range(4)), rule, eqn)
+    grid = jsbp.placement("cpu", np.arange(4).reshape(4, 1))
+    two_d = _problem.legal_signatures(grid, rule, eqn)
+    b = jsbp.sbp.broadcast
+    widened = {
+        (tuple((*nd, b) for nd in ins), tuple((*nd, b) for nd in outs)) for ins, outs in one_d
+    }
+    assert len(two_d) == len(set(two_d)) == len(widened) > 1
+    assert set(two_d) == widened
