@@ -157,3 +157,15 @@ def test_moe_benchmark_runs_both_plans():
     assert res.returncode == 0, res.stderr[-4000:]
     rows = [r.split("|")[2].strip() for r in res.stdout.splitlines() if r.startswith("| 256 |")]
     assert rows == ["planner's choice", "gathered experts"]
+
+
+def test_minigpt_benchmark_one_layout_prints_its_row():
+    """benchmarks/minigpt.py (the Flax docs' miniGPT: jsbp against the tutorial's own
+    explicit-sharding step) on one layout: its row (the script checks the two sides' losses
+    against each other and exits non-zero where they differ)."""
+    res = _benchmark("minigpt.py", "--layouts", "dp8", "--steps", "1", "--warmup", "0", timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    (row,) = [r.split("|") for r in res.stdout.splitlines() if r.startswith("| dp8 |")]
+    jsbp_coll = [c.strip() for c in row[-2].split(",")]
+    # one combined all-reduce of the gradients; nothing moves over the 'model' axis of one device
+    assert "1 AR" in jsbp_coll and not any(c.endswith(("RS", "A2A")) for c in jsbp_coll), row
