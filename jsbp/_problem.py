@@ -83,15 +83,8 @@ def legal_signatures(placement, rule, eqn, cur=()) -> list[tuple[tuple, tuple]]:
     """The nd signatures ``rule`` offers for ``eqn`` on ``placement`` (per-axis rules expanded over
     the axes), normalised to tuples, without those that split a missing dim or mix partial kinds;
     on an axis of one device, B (``on_devices``: S and P over one device are B there)."""
-    legal = _offered(placement, rule, eqn, cur)
     h = placement.hierarchy
-    if 1 not in h:
-        return legal
-    held = lambda nds: tuple(on_devices(nd, h) for nd in nds)
-    return list(dict.fromkeys((held(ins), held(outs)) for ins, outs in legal))
-
-
-def _offered(placement, rule, eqn, cur) -> list[tuple[tuple, tuple]]:
+    held = tuple if 1 not in h else (lambda nds: tuple(on_devices(nd, h) for nd in nds))
     ctx = RuleContext(
         eqn.primitive,
         dict(eqn.params),
@@ -119,8 +112,8 @@ def _offered(placement, rule, eqn, cur) -> list[tuple[tuple, tuple]]:
                 one_partial_kind(nd) and all(_in_rank(x, r) for x in nd)
                 for nd, r in zip(nds, ranks)
             ):
-                legal.append((tuple(nds[:n_in]), tuple(nds[n_in:])))
-        return legal
+                legal.append((held(nds[:n_in]), held(nds[n_in:])))
+        return list(dict.fromkeys(legal))
     per_axis = []
     for sig in dict.fromkeys(_norm_sig(s) for s in rule.signatures(ctx)):
         arity(*sig)
@@ -131,8 +124,8 @@ def _offered(placement, rule, eqn, cur) -> list[tuple[tuple, tuple]]:
         ins = tuple(tuple(c[0][i] for c in combo) for i in range(n_in))
         outs = tuple(tuple(c[1][i] for c in combo) for i in range(n_out))
         if all(one_partial_kind(nd) for nd in (*ins, *outs)):
-            legal.append((ins, outs))
-    return legal
+            legal.append((held(ins), held(outs)))
+    return list(dict.fromkeys(legal))
 
 
 def layouts(shape, ndim: int) -> list[tuple]:
