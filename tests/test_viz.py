@@ -466,6 +466,28 @@ def test_boxing_steps_are_the_planners_moves():
             assert st[0].before == a and st[-1].after == b
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_boxing_steps_count_bytes_at_the_width_they_move(dtype):
+    """A 16-bit float's partial sums are reduced in float32 (one rounding): the pictures' bytes
+    are those the collectives carry, as ``explain`` and the planner count them; a gather moves
+    the 16-bit values themselves."""
+    import jax.numpy as jnp
+
+    p = placement_of((4,))
+    x32 = jsbp.ones(16, 8, placement=p, sbp="P")
+    x16 = jsbp.ones(16, 8, placement=p, sbp="P", dtype=getattr(jnp, dtype))
+    for dst in ("B", "S(0)"):  # all-reduce, reduce-scatter
+        wide, got = viz.boxing_steps(x32, dst), viz.boxing_steps(x16, dst)
+        assert [s.collective for s in got] == [s.collective for s in wide]
+        assert [s.bytes_per_device for s in got] == [s.bytes_per_device for s in wide]
+        lines = lambda t: [ln for ln in t.splitlines() if ln.startswith(("  1.", "  total"))]
+        assert lines(viz.boxing_text(x16, dst)) == lines(viz.boxing_text(x32, dst))
+    s32 = jsbp.ones(16, 8, placement=p, sbp="S(0)")
+    s16 = jsbp.ones(16, 8, placement=p, sbp="S(0)", dtype=getattr(jnp, dtype))
+    (g32,), (g16,) = viz.boxing_steps(s32, "B"), viz.boxing_steps(s16, "B")
+    assert g16.collective == "all-gather" and g16.bytes_per_device == g32.bytes_per_device / 2
+
+
 # -------------------------------------------------------------------------------------------
 # plans (duck-typed; jsbp.explain will feed these)
 # -------------------------------------------------------------------------------------------

@@ -52,8 +52,11 @@ def _local_words(src: _sbp.Sbp, dst: _sbp.Sbp) -> str:
     return "zero-fill"
 
 
-def _plan_steps(src: Layout, dst: Layout, itemsize: int) -> list[Step]:
-    moves = core_boxing.plan(src.nd_sbp, dst.nd_sbp, src.shape, src.placement.hierarchy, itemsize)
+def _plan_steps(src: Layout, dst: Layout, dtype) -> list[Step]:
+    h, size = src.placement.hierarchy, np.dtype(dtype).itemsize
+    moves = core_boxing.plan(
+        src.nd_sbp, dst.nd_sbp, src.shape, h, size, core_boxing.widening(np.dtype(dtype))
+    )
     out, lay = [], src
     for mv in moves:
         nd = tuple(mv.dst if a in mv.axes else s for a, s in enumerate(lay.nd_sbp))
@@ -72,15 +75,18 @@ def _block_bytes(lay: Layout, itemsize: int) -> int:
     return max((math.prod(n for _, n in blk) for blk in lay.blocks), default=0) * itemsize
 
 
-def steps_between(src: Layout, dst: Layout, itemsize: int = 4) -> tuple[Step, ...]:
-    """The steps from layout ``src`` to ``dst`` (same logical shape), as ``to_global`` runs them."""
+def steps_between(src: Layout, dst: Layout, dtype="float32") -> tuple[Step, ...]:
+    """The steps from layout ``src`` to ``dst`` (same logical shape) of a tensor of ``dtype``, as
+    ``to_global`` runs them: each collective's bytes at the width it carries (a 16-bit float's
+    sums in float32, ``_boxing.widening``)."""
+    itemsize = np.dtype(dtype).itemsize
     if src.shape != dst.shape:
         raise SbpError(f"a boxing keeps the logical shape; got {src.shape} -> {dst.shape}.")
     if src == dst:
         return ()
     sp, dp = src.placement, dst.placement
     if sp == dp:
-        return tuple(_plan_steps(src, dst, itemsize))
+        return tuple(_plan_steps(src, dst, dtype))
     if sp.hierarchy == dp.hierarchy:
         mid = layout_of(dp, src.nd_sbp, src.shape)
         copy = Step(
@@ -92,7 +98,7 @@ def steps_between(src: Layout, dst: Layout, itemsize: int = 4) -> tuple[Step, ..
             "copy blocks to the new devices",
             _block_bytes(src, itemsize),
         )
-        return (copy, *_plan_steps(mid, dst, itemsize))
+        return (copy, *_plan_steps(mid, dst, dtype))
     allb_src = layout_of(sp, (_sbp.broadcast,) * sp.ndim, src.shape)
     allb_dst = layout_of(dp, (_sbp.broadcast,) * dp.ndim, src.shape)
     total = math.prod(src.shape) * itemsize
@@ -105,10 +111,10 @@ def steps_between(src: Layout, dst: Layout, itemsize: int = 4) -> tuple[Step, ..
         "copy the whole value to the new devices",
         total,
     )
-    return (*_plan_steps(src, allb_src, itemsize), copy, *_plan_steps(allb_dst, dst, itemsize))
+    return (*_plan_steps(src, allb_src, dtype), copy, *_plan_steps(allb_dst, dst, dtype))
 
 
-def _target(x, sbp, placement, op) -> tuple[Layout, Layout, str, int]:
+def _target(x, sbp, placement, op) -> tuple[Layout, Layout, str]:
     lay, dtype = as_layout(x)
     if isinstance(sbp, Placement):
         raise PlacementError(
@@ -117,8 +123,7 @@ def _target(x, sbp, placement, op) -> tuple[Layout, Layout, str, int]:
         )
     from .._tensor import target_layout
 
-    itemsize = np.dtype(x.dtype).itemsize if dtype else 4
-    return lay, target_layout(lay, placement, sbp, op), dtype, itemsize
+    return lay, target_layout(lay, placement, sbp, op), dtype
 
 
 def _axes_words(lay: Layout, axes) -> str:
@@ -175,11 +180,10 @@ def _steps_table(steps) -> str:
     )
 
 
-def layouts_boxing_html(
-    src: Layout, dst: Layout, dtype: str = "", itemsize: int = 4, *, dims=None
-) -> str:
-    """``boxing_html`` for two layouts (what a plan renderer needs; no tensor required)."""
-    steps = steps_between(src, dst, itemsize)
+def layouts_boxing_html(src: Layout, dst: Layout, dtype: str = "", *, dims=None) -> str:
+    """``boxing_html`` for two layouts (what a plan renderer needs; no tensor required; ``dtype``
+    "": float32)."""
+    steps = steps_between(src, dst, dtype or "float32")
     side = 200
     parts = [
         layout_figure(
@@ -207,10 +211,10 @@ def layouts_boxing_html(
 def boxing_steps(x, sbp=None, placement=None) -> tuple[Step, ...]:
     """The ``Step`` s of ``x.to_global(placement, sbp)``, as data (what the pictures draw).
 
-    ``x`` is a global tensor (or a ``Layout``: 4-byte items assumed). Nothing is run.
+    ``x`` is a global tensor (or a ``Layout``: float32 assumed). Nothing is run.
     """
-    src, dst, _, itemsize = _target(x, sbp, placement, "boxing_steps")
-    return steps_between(src, dst, itemsize)
+    src, dst, dtype = _target(x, sbp, placement, "boxing_steps")
+    return steps_between(src, dst, dtype or "float32")
 
 
 def boxing_html(x, sbp=None, placement=None, *, dims=None) -> str:
@@ -219,14 +223,14 @@ def boxing_html(x, sbp=None, placement=None, *, dims=None) -> str:
     Every step names the placement axes it changes, the collective it uses (or the local work: slice,
     zero-fill) and the bytes received per device; the totals close the picture. Nothing is run.
     """
-    src, dst, dtype, itemsize = _target(x, sbp, placement, "boxing_html")
-    return layouts_boxing_html(src, dst, dtype, itemsize, dims=dims)
+    src, dst, dtype = _target(x, sbp, placement, "boxing_html")
+    return layouts_boxing_html(src, dst, dtype, dims=dims)
 
 
 def boxing_text(x, sbp=None, placement=None, *, dims=None) -> str:
     """Plain-text ``boxing_html``: the steps with their collectives and bytes, then before / after."""
-    src, dst, dtype, itemsize = _target(x, sbp, placement, "boxing_text")
-    steps = steps_between(src, dst, itemsize)
+    src, dst, dtype = _target(x, sbp, placement, "boxing_text")
+    steps = steps_between(src, dst, dtype or "float32")
     where = f"{src.placement}" + (f" -> {dst.placement}" if dst.placement != src.placement else "")
     lines = [
         f"boxing {dtype}[{', '.join(map(str, src.shape))}] on {where}: "
