@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import random
-import statistics
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+from _common import fmt_coll, interleaved_medians  # noqa: E402  (benchmarks/ is the script's directory)
+
 LAYOUTS = {"dp8": (8, 1), "tp8": (1, 8), "dp2tp4": (2, 4)}  # ('batch', 'model') grid
 # the tutorial's sizes (vocab 50257, maxlen 256, embed 256, 8 heads, ff 256, 4 blocks, batch 144),
 # shrunk for 8 simulated devices on a CPU
@@ -124,32 +125,20 @@ def main(argv=None) -> int:
             b0 = jax.device_put(batch(0), NamedSharding(mesh, P("batch", None)))
             hlo = train_step.lower(jmodel, jopt, b0).compile().as_text()
         jcounts = jsbp.debug.collectives_in_hlo(hlo)
-        fns = {"jax": jax_step, "jsbp": jsbp_step}
-        times = {k: [] for k in fns}
-        rng = random.Random(0)
-        order = list(fns)
-        last = {}
-        for i in range(args.warmup + args.steps):
-            rng.shuffle(order)
-            for k in order:
-                t = time.perf_counter()
-                last[k] = float(jax.block_until_ready(fns[k](batch(1 + i))))
-                if i >= args.warmup:
-                    times[k].append((time.perf_counter() - t) * 1e3)
-        np.testing.assert_allclose(last["jsbp"], last["jax"], rtol=1e-3)
-        mj, ms = statistics.median(times["jax"]), statistics.median(times["jsbp"])
-        ratio = statistics.median(a / b for a, b in zip(times["jsbp"], times["jax"]))
+        # one step of each per round, shuffled (the steps update the models in place: no state)
+        fns = [lambda st, b, f=f: (st, f(b)) for f in (jax_step, jsbp_step)]
+        (mj, ms), _ = interleaved_medians(
+            fns, [None, None], [batch(1)] * 2, args.steps, args.warmup
+        )
+        last = [float(f(batch(2))) for f in (jax_step, jsbp_step)]  # as many steps taken
+        np.testing.assert_allclose(last[1], last[0], rtol=1e-3)
+        ratio = ms / mj
         print(
             f"| {name} | {mj:.1f} | {ms:.1f} | {ratio:.2f} | {first['jax_s']:.2f} "
-            f"| {first['jsbp_s']:.2f} | {_coll(jcounts)} | {_coll(counts)} |",
+            f"| {first['jsbp_s']:.2f} | {fmt_coll(jcounts)} | {fmt_coll(counts)} |",
             flush=True,
         )
     return 0
-
-
-def _coll(counts: dict) -> str:
-    short = {"all-gather": "AG", "all-reduce": "AR", "reduce-scatter": "RS", "all-to-all": "A2A"}
-    return ", ".join(f"{n} {short.get(k, k)}" for k, n in counts.items() if n) or "none"
 
 
 if __name__ == "__main__":

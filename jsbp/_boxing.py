@@ -40,7 +40,6 @@ __all__ = [
     "Move",
     "move_cost",
     "plan",
-    "plan_cost",
     "make_local_boxer",
     "widening",
     "COLLECTIVE_LATENCY_BYTES",
@@ -234,9 +233,9 @@ def _factors(src: tuple, path, widen: tuple[float, float, float]) -> tuple[list[
     return [window if summing[0] <= i <= summing[-1] else 1.0 for i in range(len(path))], window
 
 
-def _best(src, dst, ndim, hierarchy, total, frontier=None):
+def _best(src, dst, ndim, hierarchy, total):
     """(cost, moves) of the path ``_pick`` picks at ``total`` bytes."""
-    paths = (frontier or _frontier)(src, dst, ndim, hierarchy)
+    paths = _frontier(src, dst, ndim, hierarchy)
     k = int(_pick(np.array([a * total + b for (a, b), _ in paths])))
     return paths[k][0][0] * total + paths[k][0][1], paths[k][1]
 
@@ -362,31 +361,6 @@ def combined_collective(
     return ((mv.collective, tuple(mv.axes)),) if even(src) and even(dst) else ()
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def plan_cost(
-    src: tuple,
-    dst: tuple,
-    shape: tuple[int, ...],
-    hierarchy: tuple[int, ...],
-    itemsize: int,
-    fixed: str = "src",
-):
-    """(``move_cost`` summed over ``plan``'s moves, number of moves), without building them.
-
-    ``fixed``: which end the caller holds fixed while varying the other ("src": one value costed
-    into many layouts; "dst": many candidate layouts costed into one wanted layout). It picks the
-    search that serves the most calls from one run (from ``src``, or backwards to ``dst``); the
-    answer is the same either way."""
-    src, dst = on_devices(src, hierarchy), on_devices(dst, hierarchy)
-    if src == dst:
-        return 0.0, 0
-    frontier = _frontier_to if fixed == "dst" else _frontier
-    cost, path = _best(
-        src, dst, len(shape), hierarchy, float(math.prod(shape) * itemsize), frontier
-    )
-    return cost, len(path)
-
-
 def _renumbered(src, dst, ndim):
     """``(src, dst, back)`` with the dims renumbered in the order ``src`` then ``dst`` first
     split them (the others after, in order), and ``back`` the old number of each new one; None
@@ -432,13 +406,6 @@ def _frontier(src, dst, ndim, hierarchy):
     return tuple(paths)
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _frontier_to(src, dst, ndim, hierarchy):
-    """``_frontier`` from a backward search to ``dst`` (same paths and costs)."""
-    paths = _within_budget(_reach_to(dst, ndim, hierarchy), src, src, dst)
-    return tuple(paths) if paths else _frontier(src, dst, ndim, hierarchy)
-
-
 def _within_budget(reach, state, src, dst):
     """The Pareto front of ``reach``'s labels at ``state`` using at most one collective per axis
     that differs between ``src`` and ``dst``."""
@@ -464,41 +431,16 @@ def _reach(src, ndim, hierarchy):
     return _labels(src, ndim, hierarchy, len(hierarchy), None)
 
 
-@functools.lru_cache(maxsize=1 << 12)
-def _reach_to(dst, ndim, hierarchy):
-    """``_reach`` backwards: for every (nd-sbp, collectives used), the non-dominated (cost, path)
-    labels of paths from it to ``dst``."""
-    return _labels(dst, ndim, hierarchy, len(hierarchy), None, backward=True)
-
-
-@functools.lru_cache(maxsize=1 << 8)
-def _unit_preds(ndim, hierarchy):
-    """Every move of the search graph reversed: state -> [(previous state, move, ...)] as
-    ``_unit_steps`` gives them, over every nd-sbp of rank ``ndim`` on ``hierarchy``."""
-    vals = [_sbp.broadcast, _sbp.partial_sum, _sbp.partial_max, _sbp.partial_min]
-    vals += [_sbp.Split(d) for d in range(ndim)]
-    preds: dict = {}
-    for state in itertools.product(vals, repeat=len(hierarchy)):
-        if len({x.reduce for x in state if x.is_partial}) > 1:
-            continue
-        for nxt, mv, da, db, coll in _unit_steps(state, ndim, hierarchy):
-            preds.setdefault(nxt, []).append((state, mv, da, db, coll))
-    return preds
-
-
 def _search(src, dst, ndim, hierarchy):
     """Any number of collectives: the labels reaching ``dst``."""
     labels = _labels(src, ndim, hierarchy, None, dst)
     return [x for key, labs in labels.items() if key[0] == dst for x in labs]
 
 
-def _labels(src, ndim, hierarchy, max_collectives, stop, backward=False):
+def _labels(src, ndim, hierarchy, max_collectives, stop):
     """Label-setting search over (nd-sbp, collectives used) with two-part costs (bytes coefficient
     a, fixed cost b): a path is kept unless another reaching the same state is no worse in both.
-    With ``max_collectives=None`` the count is not tracked; ``stop`` is not expanded further.
-    ``backward``: search the reversed moves from ``src`` as the destination (paths come out in
-    forward order)."""
-    preds = _unit_preds(ndim, hierarchy) if backward else None
+    With ``max_collectives=None`` the count is not tracked; ``stop`` is not expanded further."""
     start = (src, 0)
     labels: dict = {start: [(0.0, 0.0, 0, ())]}  # key -> [(a, b, label id, path)]
     alive = {0}  # ids of labels not dominated since they were pushed
@@ -514,13 +456,9 @@ def _labels(src, ndim, hierarchy, max_collectives, stop, backward=False):
         # a move into partial-max/min only ends a path: the only way on is back to B by an
         # all-reduce (a wasted round trip), and other axes' moves cost the same before as after
         # the entry, so a path that needs such a state can enter it last
-        if not backward and path and _enters_partial_extremum(path[-1]):
+        if path and _enters_partial_extremum(path[-1]):
             continue
-        for nxt, mv, da, db, coll in (
-            preds.get(state, ()) if backward else _unit_steps(state, ndim, hierarchy)
-        ):
-            if backward and path and _enters_partial_extremum(mv):
-                continue
+        for nxt, mv, da, db, coll in _unit_steps(state, ndim, hierarchy):
             n_used = used + coll
             if max_collectives is not None and n_used > max_collectives:
                 continue
@@ -539,7 +477,7 @@ def _labels(src, ndim, hierarchy, max_collectives, stop, backward=False):
                     else:
                         keep.append(x)
                 have[:] = keep
-            npath = (mv,) + path if backward else path + (mv,)
+            npath = path + (mv,)
             have.append((la, lb, next_id, npath))
             alive.add(next_id)
             heapq.heappush(heap, (lb, la, next_id, nkey, npath))
