@@ -22,7 +22,7 @@ from collections import Counter
 
 import numpy as np
 
-from ._boxing import conversion_lines, line_cost, widening
+from ._boxing import combined_collective, conversion_lines, line_cost, widening
 from ._core import exact_core, milp, min_sum
 from ._cost import itemsize
 from ._problem import Problem, latency_part, repeats, through_hub
@@ -76,10 +76,8 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
                 for g in before:  # the groups without the touched values
                     groups.subtract(g)
                 each = [joins(choice, asked) for joins in late]
-                cost = cost + [
-                    latency * sum(1 for g in set().union(*per) if groups[g] <= 0)
-                    for per in zip(*each)
-                ]
+                per = each[0] if len(each) == 1 else [set().union(*p) for p in zip(*each)]
+                cost = cost + [latency * sum(groups[g] <= 0 for g in gs) if gs else 0.0 for gs in per]
             best, best_c = cost[cur], cur
             if cost.min() < best - 1e-6:  # the first cheaper by 1e-6 than the best before it
                 for c in range(len(n.cands)):
@@ -421,9 +419,13 @@ class _Tables:
                 return np.zeros(len(a))
             return line_cost(self._lines(rank, kind[2], a, b), kind[1])
 
-        def group(a, b):
-            nds = list(lays)
-            return [self._group(val, nds[i], nds[j]) for i, j in zip(a.tolist(), b.tolist())]
+        def group(a, b):  # the (kind, axes) of ``Problem.joins``, as indices in ``keys``
+            nds, hier, keys = list(lays), prob.placement.hierarchy, self.keys
+            out = []
+            for i, j in zip(a.tolist(), b.tolist()):
+                ks = combined_collective(nds[i], nds[j], kind[3], hier, kind[4])
+                out.append(keys.setdefault(ks[0], len(keys)) if ks else -1)
+            return out
 
         def sub(rows, cols):
             block = _filled(costs, lays, rows, cols, cost)
@@ -445,12 +447,6 @@ class _Tables:
             more = [latency_part(k + batch, pricing) for k in itertools.islice(self.keys, n, None)]
             have = self.parts[at] = np.concatenate([[] if have is None else have[:-1], more, [1.0]])
         return have
-
-    def _group(self, val, src, dst) -> int:
-        ks = self.prob.joins(val, src, dst)
-        if not ks:
-            return -1
-        return self.keys.setdefault(ks[0][:2], len(self.keys))  # (kind, axes), without the batch
 
     def _lines(self, rank: int, widen: tuple, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """``_boxing.conversion_lines`` of the layout pairs (a[i], b[i]) of tensors of ``rank``
