@@ -38,13 +38,15 @@ SWEEPS = 8
 def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list[int]:
     """Move one node at a time to the candidate that lowers ``Problem.cost`` most (its compute,
     the conversions of the values it reads and makes, and the combined collectives their
-    deferrable conversions join), until a sweep changes nothing. A node's candidates are priced
-    at once from the conversion tables (``_moves``); a node is priced again only once a node it
-    shares a value with has moved (or, touching a deferrable value, once the combined collectives
-    have changed): until then its best move is the one it had. The layouts each value's readers
-    ask are counted as the nodes move (``asked``), and the combined collectives each deferrable
-    value joins kept (``held``), so that pricing a node reads those, not every other reader of a
-    value read by many."""
+    deferrable conversions join), until a sweep changes nothing. The copies of a repeated layer
+    (``_problem.repeats``) move together: their first copy is priced, and a move it wants is made
+    for every copy, one after the other, each priced as the others stand then, and kept only if
+    their sum lowers the cost. A node's candidates are priced at once from the conversion tables
+    (``_moves``); a node is priced again only once a node it shares a value with has moved (or,
+    touching a deferrable value, once the combined collectives have changed): until then its
+    best move is the one it had. The layouts each value's readers ask are counted as the nodes
+    move (``asked``), and the combined collectives each deferrable value joins kept (``held``), so
+    that pricing a node reads those, not every other reader of a value read by many."""
     choice = list(choice)
     latency = prob.model.latency_bytes
     nodes = prob.nodes
@@ -61,80 +63,117 @@ def local_search(prob: Problem, choice: list[int], sweeps: int = SWEEPS) -> list
     for g in held.values():
         groups.update(g)
     moves, late_nodes = _moves(prob)
-    dirty = [len(n.cands) > 1 for n in prob.nodes]
+    rep = _repeats(prob)
+    copies: dict = {}  # first copy -> every copy (itself first)
+    for u, r in enumerate(rep):
+        copies.setdefault(r, []).append(u)
+    dirty = [len(n.cands) > 1 and rep[u] == u for u, n in enumerate(nodes)]
+
+    def priced(u):  # u's cost per candidate, the other nodes as they stand
+        _, fns, late, late_vals = moves(u)
+        cost = nodes[u].compute + sum(price(choice, asked) for price in fns)
+        if not late:
+            return cost
+        for v in late_vals:  # the groups without u's deferrable values
+            groups.subtract(held[id(v)])
+        each = [joins(choice, asked) for joins in late]
+        per = each[0] if len(each) == 1 else [set().union(*p) for p in zip(*each)]
+        cost = cost + [latency * sum(groups[g] <= 0 for g in gs) if gs else 0.0 for gs in per]
+        for v in late_vals:
+            groups.update(held[id(v)])
+        return cost
+
+    def move(u, c):  # u to candidate c; the nodes whose prices it changes are dirty
+        near, _, _, late_vals = moves(u)
+        n, cur = nodes[u], choice[u]
+        choice[u] = c
+        for i, v in enumerate(n.operands):
+            if v is not None:
+                asked[id(v)][n.cands[cur][0][i]] -= 1
+                asked[id(v)][n.cands[c][0][i]] += 1
+        for w in near:
+            dirty[rep[w]] = True
+        before = [held[id(v)] for v in late_vals]
+        after = [joined(v) for v in late_vals]
+        if after != before:
+            for v, g0, g1 in zip(late_vals, before, after):
+                groups.subtract(g0)
+                groups.update(g1)
+                held[id(v)] = g1
+            for w in late_nodes:
+                if w != u:
+                    dirty[rep[w]] = True
+
     for _ in range(sweeps):
         changed = False
-        for u, n in enumerate(prob.nodes):
+        for u in range(len(nodes)):
             if not dirty[u]:
                 continue
             dirty[u] = False
-            near, priced, late, late_vals = moves[u]
-            cur = choice[u]
-            cost = n.compute + sum(price(choice, asked) for price in priced)
-            if late:
-                before = [held[id(v)] for v in late_vals]
-                for g in before:  # the groups without the touched values
-                    groups.subtract(g)
-                each = [joins(choice, asked) for joins in late]
-                per = each[0] if len(each) == 1 else [set().union(*p) for p in zip(*each)]
-                cost = cost + [latency * sum(groups[g] <= 0 for g in gs) if gs else 0.0 for gs in per]
+            cost, cur = priced(u), choice[u]
             best, best_c = cost[cur], cur
             if cost.min() < best - 1e-6:  # the first cheaper by 1e-6 than the best before it
-                for c in range(len(n.cands)):
+                for c in range(len(cost)):
                     if c != cur and cost[c] < best - 1e-6:
                         best, best_c = cost[c], c
-            choice[u] = best_c
-            if best_c != cur:
+            if best_c == cur:
+                continue
+            gain, done = cost[cur] - best, [(u, cur)]
+            move(u, best_c)
+            for w in copies[u][1:]:
+                was = choice[w]
+                if was != best_c:
+                    there = priced(w)
+                    gain += there[was] - there[best_c]
+                    done.append((w, was))
+                    move(w, best_c)
+            if gain > 1e-6:
                 changed = True
-                for w in near:
-                    dirty[w] = True
-                for i, v in enumerate(n.operands):
-                    if v is not None:
-                        asked[id(v)][n.cands[cur][0][i]] -= 1
-                        asked[id(v)][n.cands[best_c][0][i]] += 1
-            if late:
-                after = before
-                if best_c != cur:
-                    after = [joined(v) for v in late_vals]
-                    held.update((id(v), g) for v, g in zip(late_vals, after))
-                for g in after:
-                    groups.update(g)
-                if after != before:
-                    for w in late_nodes:
-                        if w != u and len(nodes[w].cands) > 1:
-                            dirty[w] = True
+            else:  # the copies together are no cheaper: back as they were
+                for w, was in reversed(done):
+                    move(w, was)
         if not changed:
             break
     return choice
 
 
 def _moves(prob: Problem):
-    """For ``local_search``, per node: the nodes sharing a value with it (with more than one
-    candidate), a function per value it touches giving that value's conversions per candidate of
-    the node (the others held, ``_pricer``), one per deferrable value it touches giving the
-    combined collectives that value joins per candidate (``_joins``), and those values; and the
-    nodes touching a deferrable value. Kept in ``Problem.cache``."""
+    """For ``local_search``: ``moves(u)``, node ``u``'s nodes sharing a value with it (with more
+    than one candidate), a function per value it touches giving that value's conversions per
+    candidate of the node (the others held, ``_pricer``), one per deferrable value it touches
+    giving the combined collectives that value joins per candidate (``_joins``), and those
+    values, made when first asked; and the nodes touching a deferrable value. Kept in
+    ``Problem.cache``."""
     hit = prob.cache.get("moves")
     if hit is not None:
         return hit
     tables = prob.cache.setdefault("tables", _Tables(prob))
     nodes = prob.nodes
-    moves, late_nodes = [], []
-    for u, n in enumerate(nodes):
-        touched = list({id(v): v for v in (*n.operands, *n.outputs) if v is not None}.values())
+    made: dict = {}
+
+    def touched(n):
+        return list({id(v): v for v in (*n.operands, *n.outputs) if v is not None}.values())
+
+    def moves(u):
+        hit = made.get(u)
+        if hit is not None:
+            return hit
         near = set()
-        for v in touched:
+        vals = touched(nodes[u])
+        for v in vals:
             if v.producer is not None:
                 near.add(v.producer[0])
             near.update(w for w, _ in v.uses)
         near.discard(u)
         near = [w for w in near if len(nodes[w].cands) > 1]
-        priced = [_pricer(prob, tables, u, v) for v in touched if v.uses or v.wants]
-        late_vals = [v for v in touched if v.deferrable]
-        late = [_joins(prob, u, v) for v in late_vals]
-        if late:
-            late_nodes.append(u)
-        moves.append((near, priced, late, late_vals))
+        priced = [_pricer(prob, tables, u, v) for v in vals if v.uses or v.wants]
+        late_vals = [v for v in vals if v.deferrable]
+        hit = made[u] = (near, priced, [_joins(prob, u, v) for v in late_vals], late_vals)
+        return hit
+
+    late_nodes = [
+        u for u, n in enumerate(nodes) if len(n.cands) > 1 and any(v.deferrable for v in touched(n))
+    ]
     hit = prob.cache["moves"] = (moves, late_nodes)
     return hit
 

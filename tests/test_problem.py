@@ -476,6 +476,61 @@ def test_repeated_layers_are_tied_to_their_first_copy():
     _run_and_check(step, (params, x), ref, rtol=1e-4, atol=1e-5)
 
 
+def _stack_problem(depth):
+    params = [
+        (
+            jsbp.tensor(rand(16, 32) * 0.2, placement=R22, sbp=("B", "S(1)")),
+            jsbp.tensor(rand(32, 16) * 0.2, placement=R22, sbp=("B", "S(0)")),
+        )
+        for _ in range(depth)
+    ]
+    return _problem_of(
+        _stack(depth), params, jsbp.tensor(rand(8, 16), placement=R22, sbp=("S(0)", "B"))
+    )
+
+
+def test_local_search_moves_the_copies_of_a_layer_together(monkeypatch):
+    """Local search moves every copy of a repeated block with its first copy, and only where the
+    copies together get cheaper: from assignments where the copies agree (elimination's, and
+    random ones), the cost never rises and the copies still agree. A copy is priced only after its
+    first copy wanted to move: from elimination's answer few are; from a random one most are."""
+    priced = []
+    made = _solve._moves
+
+    def spy(prob):
+        moves, late = made(prob)
+
+        def counted(u):
+            priced.append(u)
+            return moves(u)
+
+        return counted, late
+
+    monkeypatch.setattr(_solve, "_moves", spy)
+    rng = np.random.default_rng(1)
+    prob = _stack_problem(8)
+    rep = _problem.repeats(prob.nodes)
+    tied = sum(r != u for u, r in enumerate(rep))
+    assert tied >= 0.6 * len(prob.nodes)
+    starts = [_solve.eliminate(prob)]
+    for _ in range(3):
+        pick = [int(rng.integers(len(n.cands))) for n in prob.nodes]
+        starts.append([pick[r] for r in rep])
+    for k, start in enumerate(starts):
+        prob.cache.pop("moves", None)
+        priced.clear()
+        got = _solve.local_search(prob, start)
+        assert all(got[u] == got[r] for u, r in enumerate(rep))
+        copies = {u for u in priced if rep[u] != u}
+        assert {rep[u] for u in copies} <= set(priced)  # each after its first copy
+        if k == 0:  # elimination's answer: few first copies want to move
+            assert prob.cost(got) <= prob.cost(start) + 1e-6
+            assert len(copies) < tied / 4, (len(copies), tied)
+        else:  # a random one: many do, together
+            assert prob.cost(got) < 0.5 * prob.cost(start)
+            assert len(copies) > tied / 2, (len(copies), tied)
+
+
 def test_a_deeper_stack_adds_no_node_to_the_solvers_model(monkeypatch):
     """benchmarks/compiler.py's DPxTP GPT train step (optax adamw) at 3 and 5 blocks: every copy
     of a block, of its gradient and of its parameters' update folds into the first copy, and the
