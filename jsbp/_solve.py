@@ -158,14 +158,10 @@ def _moves(prob: Problem):
         hit = made.get(u)
         if hit is not None:
             return hit
-        near = set()
         vals = touched(nodes[u])
-        for v in vals:
-            if v.producer is not None:
-                near.add(v.producer[0])
-            near.update(w for w, _ in v.uses)
-        near.discard(u)
-        near = [w for w in near if len(nodes[w].cands) > 1]
+        near = {v.producer[0] for v in vals if v.producer is not None}
+        near.update(w for v in vals for w, _ in v.uses)
+        near = [w for w in near - {u} if len(nodes[w].cands) > 1]
         priced = [_pricer(prob, tables, u, v) for v in vals if v.uses or v.wants]
         late_vals = [v for v in vals if v.deferrable]
         hit = made[u] = (near, priced, [_joins(prob, u, v) for v in late_vals], late_vals)
@@ -174,8 +170,7 @@ def _moves(prob: Problem):
     late_nodes = [
         u for u, n in enumerate(nodes) if len(n.cands) > 1 and any(v.deferrable for v in touched(n))
     ]
-    hit = prob.cache["moves"] = (moves, late_nodes)
-    return hit
+    return prob.cache.setdefault("moves", (moves, late_nodes))
 
 
 def _others(n, u: int, val):
@@ -572,10 +567,9 @@ def _pairwise(prob: Problem):
 
 def _repeats(prob: Problem) -> list[int]:
     """``_problem.repeats`` of the problem's nodes, kept in ``Problem.cache``."""
-    rep = prob.cache.get("repeats")
-    if rep is None:
-        rep = prob.cache["repeats"] = repeats(prob.nodes)
-    return rep
+    if "repeats" not in prob.cache:
+        prob.cache["repeats"] = repeats(prob.nodes)
+    return prob.cache["repeats"]
 
 
 def _add_values(prob: Problem, values, unary, adj, hubs, rep) -> None:
