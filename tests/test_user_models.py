@@ -9,7 +9,9 @@ fine-tuning with a frozen base, a Gemma-style scanned decoder stack, sequence pa
 ids, a ResNet / U-Net with BatchNorm (train, then eval), dynamic loss scaling; then WGAN-GP
 (second-order autodiff), an SN-GAN critic (``nnx.SpectralNorm`` / ``nnx.WeightNorm`` assign the
 normalised kernel in the forward), optimizers whose state is not shaped like the parameters
-(adafactor, novograd, muon, sm3) and mixup across the global batch (``jax.random.beta``).
+(adafactor, novograd, muon, sm3), mixup across the global batch (``jax.random.beta``) and a
+DDPM diffusion step (timestep embedding, a cosine noise schedule, a warmup-cosine learning rate,
+gradient clipping, an EMA copy of the weights).
 Each default run keeps one layout per idiom (the other is ``slow``: JSBP_FULL=1).
 """
 
@@ -860,3 +862,111 @@ def test_mixup_across_the_global_batch(layout):
     # check() turns a NoRuleWarning into an error: random_gamma has a rule
     check(_eager(MLP), mixup_loss, batches, lambda: optax.adam(1e-2), layout,
           rngs_fn=lambda: nnx.Rngs(mix=5))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# 11. diffusion (DDPM): a timestep-conditioned denoiser, noise and timesteps drawn per step from
+#     nnx.Rngs, a cosine noise schedule gathered by timestep, optax.chain(clip_by_global_norm,
+#     adamw(warmup_cosine_decay_schedule)), and an EMA copy of the weights updated after each
+#     step, in one jsbp.jit step over the merged state (as the GAN's)
+# ------------------------------------------------------------------------------------------------
+
+TSTEPS, TDIM = 50, 16
+
+
+def cosine_alpha_bar(n=TSTEPS, s=0.008):
+    t = np.arange(n + 1) / n
+    f = np.cos((t + s) / (1 + s) * np.pi / 2) ** 2
+    return np.clip(f[1:] / f[0], 1e-4, 1.0).astype(np.float32)
+
+
+def timestep_embedding(t, dim=TDIM):
+    half = dim // 2
+    freqs = jnp.exp(-jnp.log(10_000.0) * jnp.arange(half) / half)
+    args = t.astype(jnp.float32)[:, None] * freqs[None, :]
+    return jnp.concatenate([jnp.sin(args), jnp.cos(args)], axis=-1)
+
+
+class Denoiser(nnx.Module):
+    def __init__(self, *, rngs):
+        self.t_mlp = nnx.Linear(TDIM, HID, kernel_init=part(lecun, None, "mlp"), rngs=rngs)
+        self.inp = nnx.Linear(PIX, HID, kernel_init=part(lecun, None, "mlp"), rngs=rngs)
+        self.norm = nnx.LayerNorm(HID, rngs=rngs)
+        self.hidden = nnx.Linear(HID, HID, kernel_init=part(lecun, "mlp", None), rngs=rngs)
+        self.out = nnx.Linear(HID, PIX, kernel_init=part(zeros, None, None), rngs=rngs)
+
+    def __call__(self, x, t):
+        h = self.inp(x) + nnx.silu(self.t_mlp(timestep_embedding(t)))
+        h = h + self.hidden(nnx.silu(self.norm(h)))
+        return self.out(nnx.silu(h))
+
+
+def ddpm_loss(model, x0, rngs):
+    t = jax.random.randint(rngs.timestep(), (x0.shape[0],), 0, TSTEPS)
+    noise = jax.random.normal(rngs.noise(), x0.shape)
+    ab = jnp.asarray(cosine_alpha_bar())[t][:, None]
+    xt = jnp.sqrt(ab) * x0 + jnp.sqrt(1.0 - ab) * noise
+    return jnp.mean((model(xt, t) - noise) ** 2)
+
+
+def ddpm_update(model, ema, optimizer, rngs, x0, decay=0.9):
+    loss, grads = nnx.value_and_grad(ddpm_loss)(model, x0, rngs)
+    optimizer.update(model, grads)
+    new = jax.tree.map(
+        lambda e, p: decay * e + (1.0 - decay) * p,
+        nnx.state(ema, nnx.Param),
+        nnx.state(model, nnx.Param),
+    )
+    nnx.update(ema, new)
+    return loss
+
+
+def _ddpm_objects():
+    with nnx.use_eager_sharding(False):
+        model = Denoiser(rngs=nnx.Rngs(0))
+    ema = nnx.clone(model)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
+    return model, ema, nnx.Optimizer(model, tx, wrt=nnx.Param), nnx.Rngs(timestep=3, noise=4)
+
+
+@pytest.mark.parametrize("layout", layouts("dp8"))
+def test_diffusion_ddpm_with_ema_and_a_schedule(layout):
+    batches = [np.tanh(regression(i)[0]) for i in range(STEPS + 1)]
+    objs = _ddpm_objects()  # one device
+    ref_step = nnx.jit(ddpm_update)
+    ref = [float(ref_step(*objs, jnp.asarray(b))) for b in batches]
+
+    strat = strategy(layout)
+    *sharded, rngs = _ddpm_objects()
+    objs_g = (*jflax.shard(tuple(sharded), strat), rngs)
+    gdef, state = nnx.split(objs_g)
+
+    @jsbp.jit
+    def step(state, x0):
+        objs = nnx.merge(gdef, state)
+        loss = ddpm_update(*objs, x0)
+        return nnx.state(objs), loss
+
+    got = []
+    with jflax.use_strategy(strat), warnings.catch_warnings():
+        warnings.simplefilter("error", jsbp.NoRuleWarning)
+        for b in batches:
+            x0 = jsbp.tensor(b, placement=strat.placement, sbp=strat.batch_sbp(2))
+            state, loss = step(state, x0)
+            got.append(_value(loss))
+        counts = jsbp.debug.count_collectives(step, state, x0)
+        assert jsbp.explain(step, state, x0).collectives() == counts
+    if layout == "dp8":  # the gradients' all-reduces, combined; noise, norm, EMA all local
+        assert {k: v for k, v in counts.items() if v} == {"all-reduce": 1}
+    nnx.update(objs_g, state)
+    np.testing.assert_allclose(got, ref, rtol=LOSS_RTOL, atol=0)
+    init = _ddpm_objects()[0]
+    for i in (0, 1):  # the model and its EMA copy, which trails it
+        assert_close_params(params_of(jflax.gather(objs_g[i])), params_of(objs[i]), params_of(init))
+    gap = [
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(params_of(objs[0]).values(), params_of(objs[1]).values())
+    ]
+    assert max(gap) > 1e-4  # (the EMA is not the model itself)
+    assert int(np.asarray(jflax.gather(objs_g[2]).step.get_value())) == len(batches)
