@@ -123,6 +123,20 @@ def check(make, loss_fn, batches, tx_fn, layout, *, rngs_fn=None, wrt=nnx.Param,
     return got, ref
 
 
+def merged_step(objs, update):
+    """``update(*objs, *args)`` as one ``jsbp.jit`` step over the objects' merged state, as a
+    custom train step is written: (the step, the state)."""
+    gdef, state = nnx.split(objs)
+
+    @jsbp.jit
+    def step(state, *args):
+        objs = nnx.merge(gdef, state)
+        out = update(*objs, *args)
+        return nnx.state(objs), out
+
+    return step, state
+
+
 # ------------------------------------------------------------------------------------------------
 # 1. VAE: reparameterisation with a call-time key (rngs.noise()), KL + reconstruction
 # ------------------------------------------------------------------------------------------------
@@ -261,13 +275,7 @@ def test_gan_two_models_two_optimizers(layout):
     # the placement: the same update on the merged state under jsbp.jit
     strat = strategy(layout)
     objs_g = jflax.shard(_gan_objects(), strat)
-    gdef, state = nnx.split(objs_g)
-
-    @jsbp.jit
-    def step(state, real, z):
-        objs = nnx.merge(gdef, state)
-        losses = gan_update(*objs, real, z)
-        return nnx.state(objs), losses
+    step, state = merged_step(objs_g, gan_update)
 
     got = []
     with jflax.use_strategy(strat), warnings.catch_warnings():
@@ -790,13 +798,7 @@ def test_dynamic_loss_scaling_skips_non_finite(layout):
 
     strat = strategy(layout)
     objs = jflax.shard(_scaled_objects(), strat)
-    gdef, state = nnx.split(objs)
-
-    @jsbp.jit
-    def step(state, batch):
-        objs = nnx.merge(gdef, state)
-        loss = scaled_update(*objs, batch)
-        return nnx.state(objs), loss
+    step, state = merged_step(objs, scaled_update)
 
     put = jflax.make_train_step(lora_loss, strat).put_batch
     losses = []
@@ -940,13 +942,7 @@ def test_diffusion_ddpm_with_ema_and_a_schedule(layout):
     strat = strategy(layout)
     *sharded, rngs = _ddpm_objects()
     objs_g = (*jflax.shard(tuple(sharded), strat), rngs)
-    gdef, state = nnx.split(objs_g)
-
-    @jsbp.jit
-    def step(state, x0):
-        objs = nnx.merge(gdef, state)
-        loss = ddpm_update(*objs, x0)
-        return nnx.state(objs), loss
+    step, state = merged_step(objs_g, ddpm_update)
 
     got = []
     with jflax.use_strategy(strat), warnings.catch_warnings():
