@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from . import _hooks, _sbp
 from ._cost import estimate, local_costs
@@ -51,6 +52,7 @@ class PlanRow:
     note: str = ""  # "no rule: replicated" for a primitive without an SBP rule
     # collectives the op's own local implementation runs (``rules.LocalCost``: a ring)
     collectives: tuple[str, ...] = ()
+    own_bytes: float = 0.0  # what those move per device (each one's bytes times its runs)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -110,7 +112,8 @@ class Plan:
 
     @property
     def total_bytes_per_device(self) -> float:
-        return sum(b.bytes_per_device for b in self.boxings())
+        """Bytes per device the boxings and the ops' own collectives move (each once)."""
+        return sum(b.bytes_per_device for b in self.boxings()) + sum(r.own_bytes for r in self.rows)
 
     def __str__(self):
         lines = [f"plan on {self.placement}"]
@@ -119,7 +122,9 @@ class Plan:
         lines.append("-" * len(header))
         for r in self.rows:
             name = "  " * r.depth + r.primitive + (f" [{r.note}]" if r.note else "")
-            box = "; ".join(str(b) for b in r.boxings)
+            own = Counter(r.collectives)
+            own = [f"[own: {n} {k}] {_fmt_bytes(r.own_bytes)}" for k, n in own.items()]
+            box = "; ".join([str(b) for b in r.boxings] + own)
             lines.append(f"{name:<28} {', '.join(r.inputs):<34} {r.signature:<40} {box}")
         for b in self.output_boxings:
             lines.append(f"{'(output)':<28} {b.src:<34} {'-> ' + b.dst:<40} {b}")
@@ -165,6 +170,7 @@ def plan_of_program(prog, placement) -> Plan:
                 tuple(_boxing_row(b) for b in st.boxings),
                 lc.note if lc is not None else note,
                 tuple(k for k, _, _ in lc.collectives) if lc is not None else (),
+                sum(b * n for _, b, n in lc.collectives) if lc is not None else 0.0,
             )
         )
         for s in subprograms(st):

@@ -59,6 +59,9 @@ def check(fn, ref, args, sbps, plc):
         np.testing.assert_allclose(g.numpy(), h, **TOL)
     plan = jsbp.explain(grad, *glob)
     assert plan.collectives() == jsbp.debug.count_collectives(grad, *glob)
+    # the bytes it lists (the boxings', and the ring's own) are the ones the cost model prices
+    est = jsbp.debug.estimate(grad, *glob)
+    assert plan.total_bytes_per_device == pytest.approx(est.comm_bytes), (str(plan), est)
     return plan
 
 
@@ -71,6 +74,12 @@ def assert_plan(plan, name):
     if name == "ring":
         assert c["collective-permute"] > 0 and c["all-gather"] == c["all-to-all"] == 0, c
         assert notes(plan) == {"ring over 'x'"}
+        text = str(plan)  # the text names the ring's own collectives on the attention's rows
+        own = sum(r.collectives.count("collective-permute") for r in plan.rows)
+        rows = [r for r in plan.rows if r.collectives]
+        assert own > 0 and all(r.own_bytes > 0 for r in rows), text
+        for r in rows:
+            assert f"[own: {r.collectives.count('collective-permute')} collective-permute]" in text
     elif name == "gather":
         assert c["all-gather"] > 0 and c["collective-permute"] == 0, c
         assert notes(plan) == {"queries split over 'x', key/value whole"}
