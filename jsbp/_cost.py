@@ -71,7 +71,7 @@ class CostModel:
         collectives' bytes at ``link_bandwidth`` and one ``latency`` each; transfers that overlap
         the FLOPs (``lc.overlapped``) cost only what the FLOPs do not hide."""
         compute = lc.flops / self.flop_rate
-        comm = sum(b * n for _, b, n in lc.collectives) / self.link_bandwidth
+        comm = lc.moved_bytes / self.link_bandwidth
         both = max(compute, comm) if lc.overlapped else compute + comm
         return sum(n for _, _, n in lc.collectives) * self.latency + both
 
@@ -232,7 +232,7 @@ def _comm(prog: Program) -> tuple[float, int, int, float]:
         launched += times * n
         compiled += n
     for _, lc, times in local_costs(prog):
-        nbytes += times * sum(b * n for _, b, n in lc.collectives)
+        nbytes += times * lc.moved_bytes
         launched += times * sum(n for _, _, n in lc.collectives)
         compiled += len(lc.collectives)
     return nbytes, launched, compiled, staging
@@ -307,7 +307,7 @@ def estimate(prog: Program, cost: CostModel = DEFAULT_COST) -> Estimate:
     hidden = 0.0  # transfers of rules' local implementations that run under their FLOPs
     for _, lc, times in local_costs(prog):
         if lc.overlapped:
-            moved = sum(b * n for _, b, n in lc.collectives) / cost.link_bandwidth
+            moved = lc.moved_bytes / cost.link_bandwidth
             hidden += times * min(lc.flops / cost.flop_rate, moved)
     seconds = (
         comm_bytes / cost.link_bandwidth

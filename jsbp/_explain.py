@@ -122,8 +122,8 @@ class Plan:
         lines.append("-" * len(header))
         for r in self.rows:
             name = "  " * r.depth + r.primitive + (f" [{r.note}]" if r.note else "")
-            own = Counter(r.collectives)
-            own = [f"[own: {n} {k}] {_fmt_bytes(r.own_bytes)}" for k, n in own.items()]
+            own = ", ".join(f"{n} {k}" for k, n in Counter(r.collectives).items())
+            own = [f"[own: {own}] {_fmt_bytes(r.own_bytes)}"] if own else []
             box = "; ".join([str(b) for b in r.boxings] + own)
             lines.append(f"{name:<28} {', '.join(r.inputs):<34} {r.signature:<40} {box}")
         for b in self.output_boxings:
@@ -170,7 +170,7 @@ def plan_of_program(prog, placement) -> Plan:
                 tuple(_boxing_row(b) for b in st.boxings),
                 lc.note if lc is not None else note,
                 tuple(k for k, _, _ in lc.collectives) if lc is not None else (),
-                sum(b * n for _, b, n in lc.collectives) if lc is not None else 0.0,
+                lc.moved_bytes if lc is not None else 0.0,
             )
         )
         for s in subprograms(st):

@@ -58,6 +58,11 @@ class LocalCost:
     overlapped: bool = False
     note: str = ""  # how the signature runs, for ``explain`` ("ring over 'x'")
 
+    @property
+    def moved_bytes(self) -> float:
+        """Bytes one device sends in its collectives, each as often as it runs."""
+        return sum(b * n for _, b, n in self.collectives)
+
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
