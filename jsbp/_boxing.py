@@ -381,7 +381,10 @@ def _renumbered(src, dst, ndim):
 
 
 def _renamed_nd(nd, new) -> tuple:
-    return tuple(_sbp.Split(new[x.dim]) if x.is_split else x for x in nd)
+    return tuple(_split(new[x.dim]) if x.is_split else x for x in nd)
+
+
+_split = functools.lru_cache(maxsize=None)(_sbp.Split)  # (interned: a lookup, not three calls)
 
 
 def _renamed(mv: Move, back) -> Move:

@@ -30,7 +30,7 @@ counts each combined collective once, as the compiled program has it; the emitte
 (``_emit.run_program``) runs that order and nothing else. A boxing joins a group when it
 is a single even all-reduce (of a partial sum: partial extrema travel as order keys),
 reduce-scatter or all-gather of a value no inlined call reads and no later conversion starts
-from (``via``).
+from (``via``). The planner prices the same groups (``deferrable`` marks their values).
 """
 
 from __future__ import annotations
@@ -51,6 +51,70 @@ COMBINE_BUCKET_BYTES = 32 << 20
 """Most input bytes per device in one combined collective (DDP's buckets are 25 MiB)."""
 
 _KINDS = ("reduce-scatter", "all-gather", "all-reduce")
+
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def deferrable(nodes, values) -> None:
+    """Mark the values of a planning problem (``_problem.build``) whose conversions run as one
+    combined collective (``combine_collectives``), and which one (``Value.batch``). Only values
+    outside loops (``times`` one) read by no node inside a call's program (groups take the
+    top-level conversions only) qualify, each by the first thing that waits for it:
+
+    * nothing: no contraction (``CONTRACTIONS``), loop or branch can be reached from it (a weight
+      gradient on its way through the optimizer to the outputs; a loss). Their collectives of one
+      kind are one group, the program's last: ``batch`` ().
+    * one top-level loop or branch, which reads it as an input: its conversions of one kind run
+      together right before it: ``batch`` (that loop's entry node,).
+    * made by a reduction or a contraction (a partial sum's makers), the contractions, loops and
+      branches first reached from it (its *front*). Values of one front and one reduction depth
+      (``_depths``: BatchNorm's mean and mean of squares, not a layer norm's mean and the
+      variance made from it) are made before any of them is needed: ``batch`` (front, depth).
+
+    ``Problem.cost`` charges one latency per group, not per conversion."""
+    stops = [
+        n.kind == "hold" or (n.eqn is not None and n.eqn.primitive.name in CONTRACTIONS)
+        for n in nodes
+    ]
+    fronts = [frozenset()] * len(nodes)  # the contractions, loops and branches first reached from u
+
+    def front(val) -> frozenset:
+        return frozenset().union(*({w} if stops[w] else fronts[w] for w, _ in val.uses))
+
+    for u in range(len(nodes) - 1, -1, -1):
+        fronts[u] = frozenset().union(*(front(val) for val in nodes[u].outputs if val is not None))
+    depths, reduces = _depths(nodes)
+    for val in values:
+        if val.times != 1.0 or not (val.uses or val.wants):
+            continue
+        if any(nodes[w].nested for w, _ in val.uses):
+            continue
+        first = front(val)
+        loops = {nodes[w].entry if i == 0 else None for w, i in val.uses}
+        if not first:
+            val.deferrable = True
+        elif len(loops) == 1 and None not in loops and not val.wants:
+            val.deferrable, val.batch = True, (loops.pop(),)
+        elif val.producer is not None and not val.wants and reduces[val.producer[0]]:
+            val.deferrable, val.batch = True, (first, depths[val.producer[0]])
+
+
+def _depths(nodes) -> tuple[list[int], list[bool]]:
+    """Per node, the most reductions (``reduce_*``, ``argmax``, ``argmin``) on a path of the
+    program to it (itself included: a value reduced from another reduction's result is deeper),
+    and whether it is a reduction or a contraction (what makes a partial sum)."""
+    made = {}  # value id -> depth of its producer
+    depths, reduces = [], []
+    for n in nodes:
+        d = max((made.get(id(v), 0) for v in n.operands if v is not None), default=0)
+        name = n.eqn.primitive.name if n.eqn is not None else ""
+        r = name.startswith("reduce_") or name in ("argmax", "argmin")
+        depths.append(d + r)
+        reduces.append(r or name in CONTRACTIONS)
+        for v in n.outputs:
+            if v is not None:
+                made[id(v)] = d + r
+    return depths, reduces
 
 
 def lazy_ok(st) -> bool:

@@ -18,7 +18,7 @@
   costs the boxing planner's bytes per device plus ``latency_bytes`` per collective, once per
   (value, layout) however many readers share it; a *deferrable* value's conversion (run with
   others' before what waits for it: the program's end, a loop's entry, or the contractions its
-  siblings reach too: ``deferrable``) that is one combinable collective (``Problem.joins``) runs
+  siblings reach too: ``_combine.deferrable``) that is one combinable collective (``Problem.joins``) runs
   combined, one latency per combined collective;
   a value needed in several layouts may reach them through one of them (``Problem.spread``);
   a node costs the work a device does under its candidate (FLOPs of a contraction, one per
@@ -41,6 +41,7 @@ from jax.extend import core as jcore
 
 from . import _sbp
 from ._boxing import combined_collective, conversion_cost, on_devices, widening
+from ._combine import deferrable
 from ._cost import DEFAULT_COST, CostModel, itemsize
 from ._errors import SbpError
 from ._layout import layout_of
@@ -245,12 +246,16 @@ class Problem:
     def value_cost(self, val: Value, choice, share: float | None = None) -> float:
         return self.spread(val, self.layout(val, choice), self.wanted(val, choice), share)[0]
 
-    def groups(self, val: Value, choice, wanted=None) -> set:
+    def groups(self, val: Value, choice, wanted=None) -> frozenset:
         """The combined collectives a deferrable ``val``'s conversions join: (kind, axes); to
         ``wanted`` (default: the layouts ``wanted`` gives)."""
         src = self.layout(val, choice)
-        wanted = self.wanted(val, choice) if wanted is None else wanted
-        return {g for t in wanted for g in self.joins(val, src, t)}
+        wanted = frozenset(self.wanted(val, choice) if wanted is None else wanted)
+        key = ("groups", val.shape, val.aval.dtype, val.batch, src, wanted)  # values alike
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.cache[key] = frozenset(g for t in wanted for g in self.joins(val, src, t))
+        return hit
 
     def joins(self, val: Value, src: tuple, dst: tuple) -> tuple:
         """The combined collective a deferrable ``val``'s conversion ``src -> dst`` joins, as a
@@ -264,8 +269,16 @@ class Problem:
         """The objective of ``choice`` (one candidate index per node), as the program runs: work,
         conversions, and one latency per combined collective of the deferrable values."""
         total = sum(float(n.compute[c]) for n, c in zip(self.nodes, choice))
-        total += sum(self.value_cost(v, choice, 0.0) for v in self.values)
-        groups = set().union(*(self.groups(v, choice) for v in self.values if v.deferrable))
+        groups, seen = set(), {}  # (values alike, made, wanted) -> (cost, combined collectives)
+        for v in self.values:
+            src, wanted = self.layout(v, choice), frozenset(self.wanted(v, choice))
+            key = (v.shape, v.aval.dtype, v.times, v.batch if v.deferrable else None, src, wanted)
+            hit = seen.get(key)
+            if hit is None:
+                joins = self.groups(v, choice, wanted) if v.deferrable else ()
+                hit = seen[key] = (self.spread(v, src, wanted, 0.0)[0], joins)
+            total += hit[0]
+            groups.update(hit[1])
         return total + self.model.latency_bytes * len(groups)
 
 
@@ -650,71 +663,6 @@ def build(
             val.wants.append(tuple(want))
     deferrable(nodes, values)
     return Problem(placement, model, nodes, values, invars, outvars, alias, structure=structure)
-
-
-CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
-
-
-def deferrable(nodes, values) -> None:
-    """Mark the values whose conversions run as one combined collective (``_combine``), and
-    which one (``Value.batch``). Only values outside loops (``times`` one) read by no node inside
-    a call's program (``_combine`` groups the top-level conversions only) qualify, each by the
-    first thing that waits for it:
-
-    * nothing: no contraction (``CONTRACTIONS``), loop or branch can be reached from it (a weight
-      gradient on its way through the optimizer to the outputs; a loss). Their collectives of one
-      kind are one group, the program's last: ``batch`` ().
-    * one top-level loop or branch, which reads it as an input: its conversions of one kind run
-      together right before it: ``batch`` (that loop's entry node,).
-    * made by a reduction or a contraction (a partial sum's makers), the contractions, loops and
-      branches first reached from it (its *front*). Values of one front and one reduction depth
-      (``_depths``: BatchNorm's mean and mean of squares, not a layer norm's mean and the
-      variance made from it) are made before any of them is needed: ``batch`` (front, depth).
-
-    ``Problem.cost`` charges one latency per group, not per conversion."""
-    stops = [
-        n.kind == "hold" or (n.eqn is not None and n.eqn.primitive.name in CONTRACTIONS)
-        for n in nodes
-    ]
-    fronts = [frozenset()] * len(nodes)  # the contractions, loops and branches first reached from u
-
-    def front(val) -> frozenset:
-        return frozenset().union(*({w} if stops[w] else fronts[w] for w, _ in val.uses))
-
-    for u in range(len(nodes) - 1, -1, -1):
-        fronts[u] = frozenset().union(*(front(val) for val in nodes[u].outputs if val is not None))
-    depths, reduces = _depths(nodes)
-    for val in values:
-        if val.times != 1.0 or not (val.uses or val.wants):
-            continue
-        if any(nodes[w].nested for w, _ in val.uses):
-            continue
-        first = front(val)
-        loops = {nodes[w].entry if i == 0 else None for w, i in val.uses}
-        if not first:
-            val.deferrable = True
-        elif len(loops) == 1 and None not in loops and not val.wants:
-            val.deferrable, val.batch = True, (loops.pop(),)
-        elif val.producer is not None and not val.wants and reduces[val.producer[0]]:
-            val.deferrable, val.batch = True, (first, depths[val.producer[0]])
-
-
-def _depths(nodes) -> tuple[list[int], list[bool]]:
-    """Per node, the most reductions (``reduce_*``, ``argmax``, ``argmin``) on a path of the
-    program to it (itself included: a value reduced from another reduction's result is deeper),
-    and whether it is a reduction or a contraction (what makes a partial sum)."""
-    made = {}  # value id -> depth of its producer
-    depths, reduces = [], []
-    for n in nodes:
-        d = max((made.get(id(v), 0) for v in n.operands if v is not None), default=0)
-        name = n.eqn.primitive.name if n.eqn is not None else ""
-        r = name.startswith("reduce_") or name in ("argmax", "argmin")
-        depths.append(d + r)
-        reduces.append(r or name in CONTRACTIONS)
-        for v in n.outputs:
-            if v is not None:
-                made[id(v)] = d + r
-    return depths, reduces
 
 
 REPEAT_MIN_NODES = 16
