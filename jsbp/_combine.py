@@ -355,14 +355,37 @@ def run_group(placement, members: list) -> list:
     return outs if wide is None else [y != 0 for y in outs]
 
 
+def _pieces(flat, sizes: list[int], axis: int = 0) -> list:
+    """``flat`` cut along ``axis`` into consecutive pieces of ``sizes`` elements. The pieces of
+    one shape are cut by one kernel (a variadic reduce of each with a zero pad, on the bits: exact)
+    rather than by the code that reads each: XLA compiles one kernel per distinct fusion, and a
+    slice at its own offset inside every reader (an optimizer's update of each gradient) would
+    make each reader distinct (``docs/benchmarks.md``, first call)."""
+    starts = np.cumsum([0, *sizes]).tolist()
+    pieces = [lax.slice_in_dim(flat, a, a + n, axis=axis) for a, n in zip(starts, sizes)]
+    bits = _BITS.get(np.dtype(flat.dtype).itemsize) if flat.dtype != bool else bool
+    if bits is None or jnp.issubdtype(flat.dtype, jnp.complexfloating):
+        return pieces
+    classes: dict = {}
+    for k, p in enumerate(pieces):
+        classes.setdefault(p.shape, []).append(k)
+    for ks in (ks for ks in classes.values() if len(ks) > 1):
+        ops = [lax.bitcast_convert_type(pieces[k], bits) for k in ks]
+        zero = jnp.zeros((), bits)
+        ops = [jnp.stack([x, jnp.broadcast_to(zero, x.shape)]) for x in ops]
+        cut = lax.reduce(ops, [zero] * len(ks), lambda a, b: [x | y for x, y in zip(a, b)], (0,))
+        for k, y in zip(ks, cut):
+            pieces[k] = lax.bitcast_convert_type(y, flat.dtype)
+    return pieces
+
+
+_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
 def _all_reduce_many(xs: list, axis) -> list:
     """``psum(x, axis)`` for every x, as one."""
     red = lax.psum(jnp.concatenate([x.reshape(-1) for x in xs]), axis)
-    outs, start = [], 0
-    for x in xs:
-        outs.append(red[start : start + x.size].reshape(x.shape))
-        start += x.size
-    return outs
+    return [y.reshape(x.shape) for x, y in zip(xs, _pieces(red, [x.size for x in xs]))]
 
 
 def _reduce_scatter_many(items: list[tuple[Any, int]], axis, n: int) -> list:
@@ -373,22 +396,15 @@ def _reduce_scatter_many(items: list[tuple[Any, int]], axis, n: int) -> list:
         blocks.append(y.shape[1:])
         rows.append(y.reshape(n, -1))
     red = lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0, tiled=True)
-    outs, start = [], 0
-    for block in blocks:
-        size = math.prod(block)
-        outs.append(red[0, start : start + size].reshape(block))
-        start += size
-    return outs
+    pieces = _pieces(red[0], [math.prod(block) for block in blocks])
+    return [y.reshape(block) for y, block in zip(pieces, blocks)]
 
 
 def _all_gather_many(items: list[tuple[Any, int]], axis, n: int) -> list:
     """``all_gather(x, axis, axis=d, tiled=True)`` for every (x, d), as one."""
     flat = jnp.concatenate([x.reshape(1, -1) for x, _ in items], axis=1)
     got = lax.all_gather(flat, axis, axis=0, tiled=True)  # (n, total): row i from device i
-    outs, start = [], 0
-    for x, d in items:
-        outs.append(
-            gathered_to_dim(got[:, start : start + x.size].reshape((n,) + x.shape), x.shape, d)
-        )
-        start += x.size
-    return outs
+    pieces = _pieces(got, [x.size for x, _ in items], axis=1)
+    return [
+        gathered_to_dim(y.reshape((n,) + x.shape), x.shape, d) for y, (x, d) in zip(pieces, items)
+    ]

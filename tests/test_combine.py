@@ -167,3 +167,76 @@ def test_a_branchs_inputs_gathered_before_it_run_as_one_collective():
     assert _check_order(jf.lower_program(p, a, b).program) == 1
     counts = jsbp.debug.count_collectives(jf, p, a, b)
     assert counts == plan.collectives() and counts["all-gather"] == 1, (counts, str(plan))
+
+
+def _slicing_computations(hlo: str) -> int:
+    """How many computations of an optimized HLO module hold a ``slice``."""
+    count, cur = 0, False
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):
+            cur = False
+        elif " slice(" in line and not cur:
+            count, cur = count + 1, True
+    return count
+
+
+def test_a_combined_collectives_pieces_of_one_shape_are_cut_in_one_place():
+    """Six equal layers' gradients all-reduced as one collective, each read by an Adam-like update:
+    the pieces of one shape are cut by one kernel, so the six updates compile to one (XLA compiles
+    a kernel per distinct fusion; slices at six offsets inside them made six). Values as one
+    device, one all-reduce, as ``explain`` lists."""
+    import jax
+
+    ws = [RNG.standard_normal((8, 8)).astype(np.float32) * 0.3 for _ in range(6)]
+    ms = [np.zeros((8, 8), np.float32) for _ in ws]
+    xv = RNG.standard_normal((16, 8)).astype(np.float32)
+
+    def step(params, moments, x):
+        def loss(params):
+            h = x
+            for w in params:
+                h = jnp.tanh(h @ w)
+            return jnp.mean(h**2)
+
+        g = jax.grad(loss)(params)
+        moments = [0.9 * m + 0.1 * gi * gi for m, gi in zip(moments, g)]
+        params = [p - 0.01 * gi / (jnp.sqrt(m) + 1e-8) for p, gi, m in zip(params, g, moments)]
+        return params, moments
+
+    params = [jsbp.tensor(w, placement=P4, sbp="B") for w in ws]
+    moments = [jsbp.tensor(m, placement=P4, sbp="B") for m in ms]
+    x = jsbp.tensor(xv, placement=P4, sbp="S(0)")
+    jf = jsbp.jit(step, out_sbp="B")
+    got = jf(params, moments, x)
+    want = jax.jit(step)([jnp.asarray(w) for w in ws], [jnp.asarray(m) for m in ms], xv)
+    for o, ref in zip([*got[0], *got[1]], [*want[0], *want[1]]):
+        np.testing.assert_allclose(o.numpy(), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    counts = jsbp.debug.count_collectives(jf, params, moments, x)
+    assert counts == jsbp.explain(jf, params, moments, x).collectives()
+    assert counts["all-reduce"] == 1 and sum(counts.values()) == 1, counts
+    hlo = jf.lower(params, moments, x).compile().as_text()
+    assert _slicing_computations(hlo) == 1, hlo
+
+
+def test_a_combined_all_gathers_pieces_keep_every_bit():
+    """Values gathered by one combined all-gather come out bit for bit: signed zeros, a
+    subnormal, NaN and infinities of float32 and bfloat16, booleans and integers."""
+    special = [-0.0, 0.0, 1e-40, np.nan, np.inf, -np.inf, 1.5, -2.25]
+    cases = [
+        np.array(special * 2, np.float32).reshape(4, 4),
+        np.array(special[::-1] * 2, np.float32).reshape(4, 4),
+        np.array(special * 2, jnp.bfloat16).reshape(4, 4),
+        np.array(special[::-1] * 2, jnp.bfloat16).reshape(4, 4),
+        RNG.integers(-5, 5, (4, 4)).astype(np.int32),
+        RNG.integers(-5, 5, (4, 4)).astype(np.int32),
+        RNG.random((4, 4)) > 0.5,
+        RNG.random((4, 4)) > 0.5,
+    ]
+    xs = [jsbp.tensor(c, placement=P4, sbp="S(0)") for c in cases]
+    jf = jsbp.jit(lambda *xs: [x for x in xs], out_sbp="B")
+    got = jf(*xs)
+    for o, c in zip(got, cases):
+        assert o.numpy().dtype == c.dtype
+        assert o.numpy().tobytes() == c.tobytes(), (c.dtype, o.numpy(), c)
+    counts = jsbp.debug.count_collectives(jf, *xs)
+    assert counts == jsbp.explain(jf, *xs).collectives()
