@@ -648,10 +648,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--dump-hlo", default=None, help="write every compiled step program's HLO to this folder"
     )
+    ap.add_argument("--layers", type=int, default=1, help="transformer blocks (default 1)")
     args = ap.parse_args(argv)
     quick = args.quick
     # vocab, d_model, heads, layers, batch, seq
-    cfg = (64, 32, 8, 1, 8, 8) if quick else (256, 64, 8, 1, 16, 32)
+    cfg = (64, 32, 8, args.layers, 8, 8) if quick else (256, 64, 8, args.layers, 16, 32)
     reps = args.reps or (3 if quick else 31)
     step_inner = 1 if quick else 3
     first_reps = args.first_reps or (1 if quick else 3)
