@@ -363,8 +363,14 @@ def _pieces(flat, sizes: list[int], axis: int = 0) -> list:
     make each reader distinct (``docs/benchmarks.md``, first call)."""
     starts = np.cumsum([0, *sizes]).tolist()
     pieces = [lax.slice_in_dim(flat, a, a + n, axis=axis) for a, n in zip(starts, sizes)]
-    bits = _BITS.get(np.dtype(flat.dtype).itemsize) if flat.dtype != bool else bool
-    if bits is None or jnp.issubdtype(flat.dtype, jnp.complexfloating):
+    dt = flat.dtype
+    if dt == np.bool_:
+        bits = bool
+    elif jnp.issubdtype(dt, jnp.complexfloating):
+        return pieces
+    else:
+        bits = _BITS.get((jnp.finfo if jnp.issubdtype(dt, jnp.floating) else jnp.iinfo)(dt).bits)
+    if bits is None:  # (a 4-bit type)
         return pieces
     classes: dict = {}
     for k, p in enumerate(pieces):
@@ -375,11 +381,11 @@ def _pieces(flat, sizes: list[int], axis: int = 0) -> list:
         ops = [jnp.stack([x, jnp.broadcast_to(zero, x.shape)]) for x in ops]
         cut = lax.reduce(ops, [zero] * len(ks), lambda a, b: [x | y for x, y in zip(a, b)], (0,))
         for k, y in zip(ks, cut):
-            pieces[k] = lax.bitcast_convert_type(y, flat.dtype)
+            pieces[k] = lax.bitcast_convert_type(y, dt)
     return pieces
 
 
-_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+_BITS = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
 
 
 def _all_reduce_many(xs: list, axis) -> list:
