@@ -360,7 +360,8 @@ def _pieces(flat, sizes: list[int], axis: int = 0) -> list:
     one shape are cut by one kernel (a variadic reduce of each with a zero pad, on the bits: exact)
     rather than by the code that reads each: XLA compiles one kernel per distinct fusion, and a
     slice at its own offset inside every reader (an optimizer's update of each gradient) would
-    make each reader distinct (``docs/benchmarks.md``, first call)."""
+    make each reader distinct (``docs/benchmarks.md``, first call). The cut is a copy of those
+    pieces."""
     starts = np.cumsum([0, *sizes]).tolist()
     pieces = [lax.slice_in_dim(flat, a, a + n, axis=axis) for a, n in zip(starts, sizes)]
     dt = flat.dtype
