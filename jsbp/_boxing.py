@@ -381,10 +381,7 @@ def _renumbered(src, dst, ndim):
 
 
 def _renamed_nd(nd, new) -> tuple:
-    return tuple(_split(new[x.dim]) if x.is_split else x for x in nd)
-
-
-_split = functools.lru_cache(maxsize=None)(_sbp.Split)  # (interned: a lookup, not three calls)
+    return tuple(_sbp.Split(new[x.dim]) if x.is_split else x for x in nd)
 
 
 def _renamed(mv: Move, back) -> Move:
@@ -924,20 +921,22 @@ def _real_floating(dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating)) and np.dtype(dtype).itemsize in (1, 2, 4, 8)
 
 
+UINTS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+"""The unsigned integer type of each item size (bytes): a value's bits."""
+
+
 def _to_bits(x):
     """A float block as unsigned integers holding its bits (at least 32 wide: collectives of
     narrower integers are not on every backend)."""
     size = np.dtype(x.dtype).itemsize
-    u = lax.bitcast_convert_type(
-        x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[size]
-    )
+    u = lax.bitcast_convert_type(x, UINTS[size])
     return u.astype(jnp.uint32) if size < 4 else u
 
 
 def _from_bits(u, dtype):
     size = np.dtype(dtype).itemsize
     if size < 4:
-        u = u.astype({1: jnp.uint8, 2: jnp.uint16}[size])
+        u = u.astype(UINTS[size])
     return lax.bitcast_convert_type(u, dtype)
 
 

@@ -44,7 +44,14 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from ._boxing import blocks_first, collective_axes, collective_dtype, gathered_to_dim, sum_dtype
+from ._boxing import (
+    UINTS,
+    blocks_first,
+    collective_axes,
+    collective_dtype,
+    gathered_to_dim,
+    sum_dtype,
+)
 from ._program import iter_steps
 
 COMBINE_BUCKET_BYTES = 32 << 20
@@ -364,15 +371,15 @@ def _pieces(flat, sizes: list[int], axis: int = 0) -> list:
     pieces."""
     starts = np.cumsum([0, *sizes]).tolist()
     pieces = [lax.slice_in_dim(flat, a, a + n, axis=axis) for a, n in zip(starts, sizes)]
-    dt = flat.dtype
+    dt = np.dtype(flat.dtype)
     if dt == np.bool_:
         bits = bool
     elif jnp.issubdtype(dt, jnp.complexfloating):
         return pieces
+    elif (jnp.finfo if jnp.issubdtype(dt, jnp.floating) else jnp.iinfo)(dt).bits != 8 * dt.itemsize:
+        return pieces  # (a 4-bit type)
     else:
-        bits = _BITS.get((jnp.finfo if jnp.issubdtype(dt, jnp.floating) else jnp.iinfo)(dt).bits)
-    if bits is None:  # (a 4-bit type)
-        return pieces
+        bits = UINTS[dt.itemsize]
     classes: dict = {}
     for k, p in enumerate(pieces):
         classes.setdefault(p.shape, []).append(k)
@@ -384,9 +391,6 @@ def _pieces(flat, sizes: list[int], axis: int = 0) -> list:
         for k, y in zip(ks, cut):
             pieces[k] = lax.bitcast_convert_type(y, dt)
     return pieces
-
-
-_BITS = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
 
 
 def _all_reduce_many(xs: list, axis) -> list:

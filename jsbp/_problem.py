@@ -269,16 +269,15 @@ class Problem:
         """The objective of ``choice`` (one candidate index per node), as the program runs: work,
         conversions, and one latency per combined collective of the deferrable values."""
         total = sum(float(n.compute[c]) for n, c in zip(self.nodes, choice))
-        groups, seen = set(), {}  # (values alike, made, wanted) -> (cost, combined collectives)
+        groups, seen = set(), {}  # (values alike, made, wanted) -> their conversions' cost
         for v in self.values:
             src, wanted = self.layout(v, choice), frozenset(self.wanted(v, choice))
-            key = (v.shape, v.aval.dtype, v.times, v.batch if v.deferrable else None, src, wanted)
-            hit = seen.get(key)
-            if hit is None:
-                joins = self.groups(v, choice, wanted) if v.deferrable else ()
-                hit = seen[key] = (self.spread(v, src, wanted, 0.0)[0], joins)
-            total += hit[0]
-            groups.update(hit[1])
+            key = (v.shape, v.aval.dtype, v.times, v.deferrable, src, wanted)
+            if key not in seen:
+                seen[key] = self.spread(v, src, wanted, 0.0)[0]
+            total += seen[key]
+            if v.deferrable:
+                groups |= self.groups(v, choice, wanted)
         return total + self.model.latency_bytes * len(groups)
 
 
