@@ -296,14 +296,23 @@ def conversion_lines(
     size; per byte, fixed: the path's charges for ``conversion_cost``, summed over its moves: the
     bytes each receives (with the dtype's ``widen``, as ``plan`` counts them) and its
     ``_addends_cost`` per byte, ``latency_bytes`` per collective or the move's fixed
-    ``move_cost``, and ``op_bytes`` per move). Read-only. Computed once per pair of
-    ``_renumbered`` layouts, as the devices hold them (``on_devices``)."""
-    held = on_devices(src, hierarchy), on_devices(dst, hierarchy)
-    if held != (src, dst):
-        return conversion_lines(*held, ndim, hierarchy, latency_bytes, op_bytes, widen)
-    canon = _renumbered(src, dst, ndim)
-    if canon is not None:
-        return conversion_lines(*canon[:2], ndim, hierarchy, latency_bytes, op_bytes, widen)
+    ``move_cost``, and ``op_bytes`` per move). Read-only. Computed once per pattern of the pair
+    as the devices hold it (``on_devices``): its dims renumbered as ``_renumbered`` does, at the
+    rank ``_rank_searched`` (pairs of any rank with one pattern share their rows)."""
+    seen: dict = {}
+    pattern = tuple(
+        seen.setdefault(x.dim, len(seen)) if x.is_split else x
+        for x in on_devices(src, hierarchy) + on_devices(dst, hierarchy)
+    )
+    rank = min(ndim, len(seen) + len(hierarchy))
+    return _pattern_lines(pattern, rank, hierarchy, latency_bytes, op_bytes, widen)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _pattern_lines(pattern, ndim, hierarchy, latency_bytes, op_bytes, widen) -> np.ndarray:
+    """``conversion_lines`` of a pattern (B, P as themselves, a split as its dim)."""
+    nd = tuple(_sbp.Split(x) if isinstance(x, int) else x for x in pattern)
+    src, dst = nd[: len(hierarchy)], nd[len(hierarchy) :]
     if src == dst:
         out = np.zeros((1, 4))
     else:
@@ -380,6 +389,13 @@ def _renumbered(src, dst, ndim):
     return _renamed_nd(src, new), _renamed_nd(dst, new), back
 
 
+def _rank_searched(src, dst, hierarchy) -> int:
+    """The rank a renumbered pair is searched at: its split dims, then as many free dims as the
+    placement has axes. A path passes through free dims (P -> S(free) -> B), but never holds more
+    of them at once than there are axes, and free dims are alike: more add no path."""
+    return len({x.dim for x in src + dst if x.is_split}) + len(hierarchy)
+
+
 def _renamed_nd(nd, new) -> tuple:
     return tuple(_sbp.Split(new[x.dim]) if x.is_split else x for x in nd)
 
@@ -398,6 +414,9 @@ def _frontier(src, dst, ndim, hierarchy):
     if canon is not None:
         found = _frontier(*canon[:2], ndim, hierarchy)
         return tuple((ab, tuple(_renamed(mv, canon[2]) for mv in path)) for ab, path in found)
+    rank = _rank_searched(src, dst, hierarchy)
+    if ndim > rank:
+        return _frontier(src, dst, rank, hierarchy)
     paths = _within_budget(_reach(src, ndim, hierarchy), dst, src, dst)
     if not paths:  # an outer split moving under an inner one: more collectives than axes
         paths = _pareto(_search(src, dst, ndim, hierarchy))

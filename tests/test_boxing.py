@@ -464,6 +464,41 @@ def test_pairs_that_differ_by_the_dims_numbers_are_searched_once():
         assert _boxing._reach.cache_info().misses <= 1  # one search from the renumbered source
 
 
+@pytest.mark.parametrize("h", [(8,), (2, 4), (2, 2, 2)], ids=str)
+def test_a_pair_is_searched_at_its_split_dims_plus_one_free_dim_per_axis(h):
+    """A path may pass through dims neither end splits (P -> S(free) -> B), but never holds more
+    of them at once than the placement has axes, and such dims are alike: a rank-5 pair is
+    searched at its split dims plus one free dim per axis (``_boxing._rank_searched``) and finds
+    the paths and costs of the search over all five dims; its conversion lines are computed once
+    for both ranks."""
+    from jsbp import _boxing
+
+    ndim = 5
+    names = ("S(0)", "S(1)", "S(2)", "B", "P", "Pmax")
+    nds = [
+        nd
+        for nd in (tuple(map(jsbp.sbp.parse, x)) for x in itertools.product(names, repeat=len(h)))
+        if len({x.reduce for x in nd if x.is_partial}) <= 1
+    ]
+    pairs = [(s, d) for s in nds for d in nds if _boxing._rank_searched(s, d, h) < ndim]
+    searched = 0
+    for src, dst in sample(pairs, (1.0, 0.3, 0.1)[len(h) - 1], f"rank {h}"):
+        every = _boxing._within_budget(_boxing._reach(src, ndim, h), dst, src, dst)
+        if not every:
+            every = _boxing._pareto(_boxing._search(src, dst, ndim, h))
+        got = _boxing._frontier(src, dst, ndim, h)
+        assert [ab for ab, _ in got] == [ab for ab, _ in every], (src, dst)
+        for (_, p), (_, q) in zip(got, every):
+            assert [(m.axes, m.collective, m.bytes_per_device) for m in p] == [
+                (m.axes, m.collective, m.bytes_per_device) for m in q
+            ]
+        lines = _boxing.conversion_lines(src, dst, ndim, h, 1e6, 64.0)
+        low = _boxing._rank_searched(src, dst, h)
+        assert lines is _boxing.conversion_lines(src, dst, low, h, 1e6, 64.0)  # computed once
+        searched += 1
+    assert searched >= min(30, len(pairs))
+
+
 # -- gradients through boxing --------------------------------------------------------------------
 
 _GV = np.random.default_rng(11).standard_normal((13, 17)).astype(np.float32)
