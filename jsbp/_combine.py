@@ -367,8 +367,10 @@ def _pieces(flat, sizes: list[int], axis: int = 0) -> list:
     one shape are cut by one kernel (a variadic reduce of each with a zero pad, on the bits: exact)
     rather than by the code that reads each: XLA compiles one kernel per distinct fusion, and a
     slice at its own offset inside every reader (an optimizer's update of each gradient) would
-    make each reader distinct (``docs/benchmarks.md``, first call). The cut is a copy of those
-    pieces."""
+    make each reader distinct (``docs/benchmarks.md``, first call). A piece along axis 1 (an
+    all-gather's: one strided block per device) is cut even alone: read in place it slows its
+    readers (XLA:CPU indexes it element by element inside an elementwise op, and a dot reading
+    it leaves its fast path). The cut is a copy of those pieces."""
     starts = np.cumsum([0, *sizes]).tolist()
     pieces = [lax.slice_in_dim(flat, a, a + n, axis=axis) for a, n in zip(starts, sizes)]
     dt = np.dtype(flat.dtype)
@@ -383,7 +385,7 @@ def _pieces(flat, sizes: list[int], axis: int = 0) -> list:
     classes: dict = {}
     for k, p in enumerate(pieces):
         classes.setdefault(p.shape, []).append(k)
-    for ks in (ks for ks in classes.values() if len(ks) > 1):
+    for ks in (ks for ks in classes.values() if len(ks) > 1 or axis != 0):
         ops = [lax.bitcast_convert_type(pieces[k], bits) for k in ks]
         zero = jnp.zeros((), bits)
         ops = [jnp.stack([x, jnp.broadcast_to(zero, x.shape)]) for x in ops]

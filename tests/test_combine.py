@@ -7,6 +7,8 @@ read, every group after its members' operands and before its readers), the value
 and the compiled collectives against ``explain``.
 """
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -216,6 +218,59 @@ def test_a_combined_collectives_pieces_of_one_shape_are_cut_in_one_place():
     assert counts["all-reduce"] == 1 and sum(counts.values()) == 1, counts
     hlo = jf.lower(params, moments, x).compile().as_text()
     assert _slicing_computations(hlo) == 1, hlo
+
+
+_MOVES = {"parameter", "constant", "slice", "bitcast", "bitcast-convert", "reshape", "pad"}
+_MOVES |= {"concatenate", "copy", "transpose", "broadcast", "reduce", "tuple", "get-tuple-element"}
+
+
+def _reader_ops(hlo: str, name: str) -> list[set[str]]:
+    """Per instruction of an optimized HLO module's entry computation that reads ``%name``, the
+    ops it runs (a fusion's: its fused computation's)."""
+    bodies, cur = {}, None
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):
+            cur = bodies.setdefault(line.split()[0].lstrip("%"), [])
+        elif cur is not None:
+            cur.append(line)
+    ops = lambda line: set(re.findall(r"= \S+ ([a-z][\w\-]*)\(", line))
+    out = []
+    for line in hlo[hlo.index("\nENTRY") :].splitlines():
+        if re.search(rf"[(,] ?%{re.escape(name)}[,)]", line):
+            called = re.search(r"calls=%([\w.\-]+)", line)
+            out.append(set().union(*map(ops, bodies[called.group(1)])) if called else ops(line))
+    return out
+
+
+def test_a_combined_all_gather_cuts_every_piece_before_its_readers():
+    """ZeRO-3's forward: weights and biases of distinct shapes held split, gathered whole by one
+    all-gather before the layer. An all-gather's pieces are strided blocks of its result (one per
+    device); read in place they slow their readers (XLA:CPU's dots leave their fast path), so each
+    piece, alone in its shape too, is cut by the cutting kernel: nothing else reads the gathered
+    buffer. Values as one device, one all-gather, as ``explain`` lists."""
+    import jax
+
+    shapes = [(8, 16), (16,), (16, 12), (12,)]
+    vals = [RNG.standard_normal(s).astype(np.float32) * 0.3 for s in shapes]
+    xv = RNG.standard_normal((16, 8)).astype(np.float32)
+
+    def forward(w1, b1, w2, b2, x):
+        w1, b1, w2, b2 = (jsbp.to_global(p, sbp="B") for p in (w1, b1, w2, b2))
+        return jnp.tanh(x @ w1 + b1) @ w2 + b2
+
+    params = [jsbp.tensor(v, placement=P4, sbp="S(0)") for v in vals]
+    x = jsbp.tensor(xv, placement=P4, sbp="S(0)")
+    jf = jsbp.jit(forward)
+    got = jf(*params, x)
+    want = jax.jit(forward)(*vals, xv)
+    np.testing.assert_allclose(got.numpy(), np.asarray(want), rtol=1e-5, atol=1e-6)
+    counts = jsbp.debug.count_collectives(jf, *params, x)
+    assert counts == jsbp.explain(jf, *params, x).collectives()
+    assert counts["all-gather"] == 1 and sum(counts.values()) == 1, counts
+    hlo = jf.lower(*params, x).compile().as_text()
+    (gathered,) = re.findall(r"%(\S+) = \S+ all-gather\(", hlo)
+    readers = _reader_ops(hlo, gathered)
+    assert readers and all(ops <= _MOVES for ops in readers), (readers, hlo)
 
 
 def test_a_combined_all_gathers_pieces_keep_every_bit():
