@@ -304,7 +304,7 @@ def conversion_lines(
         seen.setdefault(x.dim, len(seen)) if x.is_split else x
         for x in on_devices(src, hierarchy) + on_devices(dst, hierarchy)
     )
-    rank = min(ndim, len(seen) + len(hierarchy))
+    rank = min(ndim, _rank_searched(len(seen), hierarchy))
     return _pattern_lines(pattern, rank, hierarchy, latency_bytes, op_bytes, widen)
 
 
@@ -389,11 +389,12 @@ def _renumbered(src, dst, ndim):
     return _renamed_nd(src, new), _renamed_nd(dst, new), back
 
 
-def _rank_searched(src, dst, hierarchy) -> int:
-    """The rank a renumbered pair is searched at: its split dims, then as many free dims as the
-    placement has axes. A path passes through free dims (P -> S(free) -> B), but never holds more
-    of them at once than there are axes, and free dims are alike: more add no path."""
-    return len({x.dim for x in src + dst if x.is_split}) + len(hierarchy)
+def _rank_searched(splits: int, hierarchy) -> int:
+    """The rank a renumbered pair splitting ``splits`` dims is searched at: those dims, then as
+    many free dims as the placement has axes. A path passes through free dims (P -> S(free) ->
+    B), but never holds more of them at once than there are axes, and free dims are alike: more
+    add no path."""
+    return splits + len(hierarchy)
 
 
 def _renamed_nd(nd, new) -> tuple:
@@ -414,7 +415,7 @@ def _frontier(src, dst, ndim, hierarchy):
     if canon is not None:
         found = _frontier(*canon[:2], ndim, hierarchy)
         return tuple((ab, tuple(_renamed(mv, canon[2]) for mv in path)) for ab, path in found)
-    rank = _rank_searched(src, dst, hierarchy)
+    rank = _rank_searched(len({x.dim for x in src + dst if x.is_split}), hierarchy)
     if ndim > rank:
         return _frontier(src, dst, rank, hierarchy)
     paths = _within_budget(_reach(src, ndim, hierarchy), dst, src, dst)

@@ -480,7 +480,11 @@ def test_a_pair_is_searched_at_its_split_dims_plus_one_free_dim_per_axis(h):
         for nd in (tuple(map(jsbp.sbp.parse, x)) for x in itertools.product(names, repeat=len(h)))
         if len({x.reduce for x in nd if x.is_partial}) <= 1
     ]
-    pairs = [(s, d) for s in nds for d in nds if _boxing._rank_searched(s, d, h) < ndim]
+
+    def rank_of(s, d):  # the rank the pair is searched at
+        return _boxing._rank_searched(len({x.dim for x in s + d if x.is_split}), h)
+
+    pairs = [(s, d) for s in nds for d in nds if rank_of(s, d) < ndim]
     searched = 0
     for src, dst in sample(pairs, (1.0, 0.3, 0.1)[len(h) - 1], f"rank {h}"):
         every = _boxing._within_budget(_boxing._reach(src, ndim, h), dst, src, dst)
@@ -493,7 +497,7 @@ def test_a_pair_is_searched_at_its_split_dims_plus_one_free_dim_per_axis(h):
                 (m.axes, m.collective, m.bytes_per_device) for m in q
             ]
         lines = _boxing.conversion_lines(src, dst, ndim, h, 1e6, 64.0)
-        low = _boxing._rank_searched(src, dst, h)
+        low = rank_of(src, dst)
         assert lines is _boxing.conversion_lines(src, dst, low, h, 1e6, 64.0)  # computed once
         searched += 1
     assert searched >= min(30, len(pairs))
