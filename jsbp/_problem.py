@@ -1,7 +1,8 @@
 """The planning problem of a program, built from its jaxpr and the rule registry.
 
 * **nodes**: one per equation that has a choice: a primitive (its candidates: the rule's legal nd
-  signatures on the placement, ``legal_signatures``) or a layout request (``to_global``,
+  signatures on the placement, ``legal_signatures``, but those reading a partial value that no
+  operand read so can be made as, ``_reads_made``) or a layout request (``to_global``,
   ``reshard``, ``with_sharding_constraint``: its candidates are the layouts the request allows).
   Calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat`` ...) are inlined, and so
   is a ``custom_linear_solve``'s ``solve`` jaxpr.
@@ -127,6 +128,33 @@ def legal_signatures(placement, rule, eqn, cur=()) -> list[tuple[tuple, tuple]]:
         if all(one_partial_kind(nd) for nd in (*ins, *outs)):
             legal.append((held(ins), held(outs)))
     return list(dict.fromkeys(legal))
+
+
+@functools.lru_cache(maxsize=4096)
+def _partials(nd) -> frozenset:
+    """The (axis, reduction) pairs on which ``nd`` is a partial value."""
+    return frozenset((a, x.reduce) for a, x in enumerate(nd) if x.is_partial)
+
+
+@functools.lru_cache(maxsize=4096)
+def _made_as(nd) -> frozenset:
+    """The partial values a value made as ``nd`` is, or becomes without moving data: ``nd``'s
+    partials, and a partial sum on each axis ``nd`` splits (zero-filled around its piece)."""
+    return _partials(nd) | {(a, "sum") for a, x in enumerate(nd) if x.is_split}
+
+
+def _reads_made(ins, made) -> bool:
+    """Whether a candidate reading its operands as ``ins`` reads each partial value (an axis and
+    reduction) as an operand that can be made so (``made``: per operand, the union of
+    ``_made_as`` over the layouts its producer can make it in). Otherwise every operand read so
+    would be replicated and made partial only to be reduced later, where reading it replicated
+    computes as much for less: the candidate is left out."""
+    need, have = set(), set()
+    for nd, m in zip(ins, made):
+        p = _partials(nd)
+        need |= p
+        have |= p & m
+    return need <= have
 
 
 def layouts(shape, ndim: int) -> list[tuple]:
@@ -398,6 +426,8 @@ def build(
     values: list[Value] = []
     alias: dict = {}
     cands_memo: dict = {}
+    made_memo: dict = {}  # (candidates, output) -> the partials the output can be made as
+    kept_memo: dict = {}  # (candidates, operands' partials) -> ``kept``'s answer
     b = (B,) * placement.ndim
     calls = [0]  # how many call programs the walk is in
 
@@ -580,6 +610,36 @@ def build(
             hit = cands_memo[key] = (rule, cands, work, jaxprs)
         return hit
 
+    def made(val) -> frozenset:
+        """The partial values ``val`` can be made as (``_made_as``): as its fixed layout, or as
+        some candidate of its producer gives it."""
+        if val.producer is None:
+            return _made_as(val.nd)
+        u, j = val.producer
+        key = (id(nodes[u].cands), j)
+        hit = made_memo.get(key)
+        if hit is None:
+            hit = made_memo[key] = frozenset().union(*(_made_as(c[1][j]) for c in nodes[u].cands))
+        return hit
+
+    def kept(rule, cands, work, jaxprs, ins):
+        """``candidates``' answer, less the candidates that read a partial value no operand can
+        be made as (``_reads_made``); one list per list and operands' partials (equations alike
+        share theirs, as ``repeats`` needs)."""
+        ms = tuple(made(v) for v in ins)
+        key = (id(cands), ms)
+        hit = kept_memo.get(key)
+        if hit is None:
+            keep = [n for n, c in enumerate(cands) if _reads_made(c[0], ms)]
+            if len(keep) == len(cands) or not keep:
+                hit = (rule, cands, work, jaxprs)
+            else:
+                at = {n: k for k, n in enumerate(keep)}
+                local = {at[n]: jx for n, jx in jaxprs.items() if n in at}
+                hit = (rule, [cands[n] for n in keep], work[keep], local)
+            kept_memo[key] = hit
+        return hit
+
     def walk(jx, consts, out: list, times=1.0):
         for v in jx.constvars[: len(consts)]:
             alias[v] = new_value(v.aval, b, times)
@@ -640,7 +700,7 @@ def build(
                 cands = [((nd,), (nd,)) for nd in allowed]
                 node = Node(eqn, cands, [x], [], np.zeros(len(cands)), kind="annotate")
             else:
-                rule, cands, work, jaxprs = candidates(eqn)
+                rule, cands, work, jaxprs = kept(*candidates(eqn), ins)
                 node = Node(eqn, cands, ins, [], work * times, rule=rule, local=jaxprs)
             add_node(
                 node, [None if isinstance(o, jcore.DropVar) else o.aval for o in eqn.outvars], times

@@ -717,3 +717,33 @@ def test_an_axis_of_one_device_offers_only_b(fn, args):
     }
     assert len(two_d) == len(set(two_d)) == len(widened) > 1
     assert set(two_d) == widened
+
+
+@pytest.mark.parametrize("plc", [P4, R22], ids=["4", "2x2"])
+def test_a_candidate_reads_a_partial_value_only_where_one_can_be_made(plc):
+    """A row-parallel product is a partial sum: the bias added to it keeps the candidate that
+    reads both as partial sums (the bias zero-filled), and a max over a split dim is a partial
+    max, which the add after it may read. Two replicated inputs cannot be made partial without
+    a collective to undo it: their add reads no partial value, and no other add a partial max.
+    Values as one device's."""
+    xv, wv, bv, cv, dv = rand(8, 6), rand(6, 4), rand(4), rand(4), rand(8)
+    rest = ("B",) * (plc.ndim - 1)
+    x = jsbp.tensor(xv, placement=plc, sbp=("S(1)",) + rest)
+    w = jsbp.tensor(wv, placement=plc, sbp=("S(0)",) + rest)
+    b, c, d = (jsbp.tensor(v, placement=plc, sbp=("B",) + rest) for v in (bv, cv, dv))
+
+    def f(x, w, b, c, d):
+        return x @ w + b, b + c, x.max(1) + d
+
+    prob = _problem_of(f, x, w, b, c, d)
+    partial = lambda nds: {(a, s.reduce) for nd in nds for a, s in enumerate(nd) if s.is_partial}
+    after_dot, replicated, after_max = [
+        n for n in prob.nodes if n.eqn is not None and n.eqn.primitive.name == "add"
+    ]
+    assert any(partial(c[0]) == {(0, "sum")} for c in after_dot.cands)
+    assert all(not partial(c[0]) for c in replicated.cands)
+    assert any(partial(c[0]) == {(0, "max")} for c in after_max.cands)
+    assert all(
+        k == "sum" for n in (after_dot, replicated) for c in n.cands for _, k in partial(c[0])
+    )
+    _run_and_check(f, (x, w, b, c, d), (xv @ wv + bv, bv + cv, xv.max(1) + dv))
