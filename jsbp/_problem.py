@@ -19,12 +19,11 @@
   costs the boxing planner's bytes per device plus ``latency_bytes`` per collective, once per
   (value, layout) however many readers share it; a *deferrable* value's conversion (run with
   others' before what waits for it: the program's end, a loop's entry, or the contractions its
-  siblings reach too: ``_combine.deferrable``) that is one combinable collective (``Problem.joins``) runs
-  combined, one latency per combined collective;
-  a value needed in several layouts may reach them through one of them (``Problem.spread``);
-  a node costs the work a device does under its candidate (FLOPs of a contraction, one per
-  output element otherwise) at the model's rates; an output asked for in a layout (``out_sbp``)
-  pays its conversion.
+  siblings reach too: ``_combine.deferrable``) that is one combinable collective
+  (``Problem.joins``) runs combined, one latency per combined collective; a value needed in
+  several layouts may reach them through one of them (``Problem.spread``); a node costs the work
+  a device does under its candidate (FLOPs of a contraction, one per output element otherwise)
+  at the model's rates; an output asked for in a layout (``out_sbp``) pays its conversion.
 
 ``Problem.cost(choice)`` is the objective of an assignment (one candidate per node);
 ``_solve`` minimises it.
@@ -131,22 +130,20 @@ def legal_signatures(placement, rule, eqn, cur=()) -> list[tuple[tuple, tuple]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _partials(nd) -> frozenset:
-    """The (axis, reduction) pairs on which ``nd`` is a partial value."""
-    return frozenset((a, x.reduce) for a, x in enumerate(nd) if x.is_partial)
-
-
-@functools.lru_cache(maxsize=4096)
-def _made_as(nd) -> frozenset:
-    """The partial values a value made as ``nd`` is, or becomes without moving data: ``nd``'s
-    partials, and a partial sum on each axis ``nd`` splits (zero-filled around its piece)."""
-    return _partials(nd) | {(a, "sum") for a, x in enumerate(nd) if x.is_split}
+def _partials(nd, zero_fill: bool = False) -> frozenset:
+    """The (axis, reduction) pairs on which ``nd`` is a partial value; with ``zero_fill`` also a
+    sum on each axis it splits (its piece zero-filled around: partial without moving data)."""
+    return frozenset(
+        (a, "sum" if x.is_split else x.reduce)
+        for a, x in enumerate(nd)
+        if x.is_partial or (zero_fill and x.is_split)
+    )
 
 
 def _reads_made(ins, made) -> bool:
     """Whether a candidate reading its operands as ``ins`` reads each partial value (an axis and
-    reduction) as an operand that can be made so (``made``: per operand, the union of
-    ``_made_as`` over the layouts its producer can make it in). Otherwise every operand read so
+    reduction) as an operand that can be made so (``made``: per operand, ``_partials`` with
+    ``zero_fill`` of the layouts its producer can make it in). Otherwise every operand read so
     would be replicated and made partial only to be reduced later, where reading it replicated
     computes as much for less: the candidate is left out."""
     need, have = set(), set()
@@ -426,8 +423,7 @@ def build(
     values: list[Value] = []
     alias: dict = {}
     cands_memo: dict = {}
-    made_memo: dict = {}  # (candidates, output) -> the partials the output can be made as
-    kept_memo: dict = {}  # (candidates, operands' partials) -> ``kept``'s answer
+    reach_memo: dict = {}  # ``made``'s and ``kept``'s answers
     b = (B,) * placement.ndim
     calls = [0]  # how many call programs the walk is in
 
@@ -611,16 +607,15 @@ def build(
         return hit
 
     def made(val) -> frozenset:
-        """The partial values ``val`` can be made as (``_made_as``): as its fixed layout, or as
+        """The partial values ``val`` can be made as (``_reads_made``): as its fixed layout, or as
         some candidate of its producer gives it."""
         if val.producer is None:
-            return _made_as(val.nd)
+            return _partials(val.nd, True)
         u, j = val.producer
         key = (id(nodes[u].cands), j)
-        hit = made_memo.get(key)
-        if hit is None:
-            hit = made_memo[key] = frozenset().union(*(_made_as(c[1][j]) for c in nodes[u].cands))
-        return hit
+        if key not in reach_memo:
+            reach_memo[key] = frozenset().union(*(_partials(c[1][j], True) for c in nodes[u].cands))
+        return reach_memo[key]
 
     def kept(rule, cands, work, jaxprs, ins):
         """``candidates``' answer, less the candidates that read a partial value no operand can
@@ -628,17 +623,14 @@ def build(
         share theirs, as ``repeats`` needs)."""
         ms = tuple(made(v) for v in ins)
         key = (id(cands), ms)
-        hit = kept_memo.get(key)
-        if hit is None:
+        if key not in reach_memo:
             keep = [n for n, c in enumerate(cands) if _reads_made(c[0], ms)]
-            if len(keep) == len(cands) or not keep:
-                hit = (rule, cands, work, jaxprs)
-            else:
+            if 0 < len(keep) < len(cands):
                 at = {n: k for k, n in enumerate(keep)}
                 local = {at[n]: jx for n, jx in jaxprs.items() if n in at}
-                hit = (rule, [cands[n] for n in keep], work[keep], local)
-            kept_memo[key] = hit
-        return hit
+                cands, work, jaxprs = [cands[n] for n in keep], work[keep], local
+            reach_memo[key] = (rule, cands, work, jaxprs)
+        return reach_memo[key]
 
     def walk(jx, consts, out: list, times=1.0):
         for v in jx.constvars[: len(consts)]:
