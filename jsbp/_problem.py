@@ -619,8 +619,8 @@ def build(
 
     def kept(rule, cands, work, jaxprs, ins):
         """``candidates``' answer, less the candidates that read a partial value no operand can
-        be made as (``_reads_made``); one list per list and operands' partials (equations alike
-        share theirs, as ``repeats`` needs)."""
+        be made as (``_reads_made``; all kept where that would leave none); one list per list and
+        operands' partials (equations alike share theirs, as ``repeats`` needs)."""
         ms = tuple(made(v) for v in ins)
         key = (id(cands), ms)
         if key not in reach_memo:
