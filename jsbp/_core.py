@@ -219,14 +219,13 @@ def min_sum(
     # rows (``h_cls``), and the reduced column each entry of the message is (``expand``)
     h_src, h_rev, h_cls, expand, buckets = [], [], [], np.zeros(pos, np.intp), {}
     n_cls = n_red = 0
-    ups: dict = {}  # (cu, cw) -> the edges u < w of that shape, for the energy
+    ups = []  # the edges u < w (matrix, u's and w's places in ``core``), for the energy
     index = {u: i for i, u in enumerate(core)}
     for u in core:
         for w, m in adj[u].items():
-            ups.setdefault(m.shape, [])
             if u > w:
                 continue
-            ups[m.shape].append((m, index[u], index[w]))
+            ups.append((m, index[u], index[w]))
             hit = memo.get(id(m)) if memo is not None else None
             if hit is None or hit[0] is not m:
                 (rc, rfirst), (cc, cfirst) = _classes(m), _classes(m.T)
@@ -254,18 +253,18 @@ def min_sum(
         low = np.stack([g for _, g, _ in edges])
         dst = np.array([o for _, _, o in edges])[:, None] + np.arange(cw)
         plan.append((mats, low, dst, np.empty_like(mats)))
+    # each message's reduced columns: one segment of ``red`` (normalised to least 0 at once)
+    seg = np.array(sorted(o for es in buckets.values() for _, _, o in es), dtype=np.intp)
+    seg_len = np.diff(np.append(seg, n_red))
     rows = np.repeat(np.arange(len(core)), size)
     cols = np.arange(len(flat_unary)) - np.repeat(np.array([off[u] for u in core]), size)
     padded = np.full((len(core), int(size.max())), np.inf)
-    ups = [
-        (
-            np.stack([m for m, _, _ in es]),
-            np.array([a for _, a, _ in es], dtype=np.intp),
-            np.array([b for _, _, b in es], dtype=np.intp),
-        )
-        for es in ups.values()
-        if es
-    ]
+    # the energy of a decoding: one entry per edge of their matrices laid end to end
+    flat = np.concatenate([m.ravel() for m, _, _ in ups]) if ups else np.zeros(0)
+    e_off = np.cumsum([0] + [m.size for m, _, _ in ups])[:-1].astype(np.intp)
+    e_cols = np.array([m.shape[1] for m, _, _ in ups], dtype=np.intp)
+    e_a = np.array([a for _, a, _ in ups], dtype=np.intp)
+    e_b = np.array([b for _, _, b in ups], dtype=np.intp)
     starts_u = np.array([off[u] for u in core])
     msgs = np.zeros(pos)
     red = np.empty(n_red)
@@ -275,16 +274,15 @@ def min_sum(
         padded[rows, cols] = belief
         pick = padded.argmin(1)
         e = float(flat_unary[starts_u + pick].sum())
-        for mats, a, b in ups:
-            e += float(mats[np.arange(len(a)), pick[a], pick[b]].sum())
+        e += float(flat[e_off + pick[e_a] * e_cols + pick[e_b]].sum())
         if e < best_e - 1e-9:
             best, best_e = dict(zip(core, pick.tolist())), e
         h = (belief[h_src] - msgs[h_rev])[order]
         low = np.minimum.reduceat(h, starts) if len(h) else h
         for mats, g, dst, buf in plan:
-            msg = np.add(mats, low[g][:, :, None], out=buf).min(1)
-            msg -= msg.min(1, keepdims=True)
-            red[dst] = msg
+            red[dst] = np.add(mats, low[g][:, :, None], out=buf).min(1)
+        if len(seg):
+            red -= np.repeat(np.minimum.reduceat(red, seg), seg_len)
         new = damping * msgs + (1.0 - damping) * red[expand]
         if np.array_equal(new, msgs):
             break
