@@ -236,7 +236,9 @@ def _out_nd_list(out_sbp, n_out, placement, out_shapes):
     try:
         single = _sbp.parse_nd(out_sbp, placement.ndim)
         specs = [single] * n_out
-    except SbpError:
+    except SbpError as e:
+        if isinstance(out_sbp, (str, _sbp.Sbp)):  # one nd-sbp, not one for this placement
+            raise SbpError(f"jsbp.jit: out_sbp={out_sbp!r}: {e}") from None
         if isinstance(out_sbp, (list, tuple)) and len(out_sbp) == n_out:
             specs = [None if s is None else _sbp.parse_nd(s, placement.ndim) for s in out_sbp]
         else:

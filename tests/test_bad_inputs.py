@@ -382,6 +382,14 @@ ROWS = [
         S,
         r"jax\.numpy.*GlobalTensor \(shape \(4, 6\).*outside jsbp\.jit.*jsbp\.numpy",
     ),
+    (
+        "jit-out-sbp-one-entry-on-2d",
+        lambda e: jsbp.jit(lambda a: (a.sum(), a.mean()), out_sbp="B")(
+            ones(e, ("B", "B"), placement=e.q)
+        ),
+        S,
+        r"out_sbp='B'.*1 entry but the placement has 2 axes.*one SBP per placement axis",
+    ),
     ("jnp-add-outside-jit", lambda e: jnp.add(e.x, 1), S, r"outside jsbp\.jit.*jsbp\.numpy\.<fn>"),
     (
         "closed-over",
