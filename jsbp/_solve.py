@@ -530,11 +530,13 @@ def _filled(entry, lays, rows, cols, fill) -> np.ndarray:
     """The block ``rows`` x ``cols`` of the table ``entry[0]`` (grown to the layouts ``lays``
     index), its entries not yet read (NaN) filled by ``fill(srcs, dsts)`` (arrays of rows and
     columns: their entries)."""
-    block = _grown(entry, len(lays))[rows[:, None], cols]
+    table = _grown(entry, len(lays))
+    block = table[rows[:, None], cols]
     miss = np.nonzero(np.isnan(block))
     if len(miss[0]):
-        pairs = np.unique(np.stack([rows[miss[0]], cols[miss[1]]]), axis=1)
-        entry[0][pairs[0], pairs[1]] = fill(pairs[0], pairs[1])
+        n = table.shape[1]
+        src, dst = np.divmod(np.unique(rows[miss[0]] * n + cols[miss[1]]), n)
+        entry[0][src, dst] = fill(src, dst)
         block = entry[0][rows[:, None], cols]
     return block
 
@@ -780,20 +782,62 @@ def _plan_parts(prob: Problem, choice, late) -> frozenset:
 def solve(prob: Problem) -> list[int]:
     """The cheapest assignment found: the exact optimum where the problem is small
     (``EXACT_MAX_VARS``); else elimination (``eliminate``) under two pricings of the deferrable
-    conversions, the cheaper answer by ``Problem.cost`` polished by local search: a share of a
-    latency each (one over the number of deferrable values of their ``Value.batch``); then a part
-    of one where they join a combined collective the first answer runs (one over its members
-    there), a whole one where they open another."""
+    conversions: a share of a latency each (one over the number of deferrable values of their
+    ``Value.batch``); then, with the first answer's waits (``_waits``: a conversion of the last
+    combined collectives that reads another's result runs in a later one), a part of one where
+    they join a combined collective the first answer runs (one over its members there), a whole
+    one where they open another. The exact optimum is found again where it waits. The cheaper
+    answer, each priced with its own waits, is polished by local search."""
+    last = [v for v in prob.values if v.deferrable and v.batch == ()]
+    waits: dict = {}  # try -> the batches of ``last`` as it runs them (``_waits``)
+
+    def runs(choice) -> bool:  # ``last``'s batches set as ``choice`` runs them; whether one waits
+        t = tuple(choice)
+        if t not in waits:
+            waits[t] = _waits(prob, last, choice)
+        for v, b in zip(last, waits[t]):
+            v.batch = b
+        return any(v.batch and prob.groups(v, choice) for v in last)
+
     best = exact(prob, max_vars=EXACT_MAX_VARS)
     if best is not None:  # (its model charges a value each layout from the made one: no hubs)
-        return local_search(prob, best)
-    late = [v for v in prob.values if v.deferrable]
-    prob.joined = frozenset((b, 1.0 / n) for b, n in Counter(v.batch for v in late).items())
-    first = eliminate(prob)
-    tries = [first]
-    if late:
-        prob.joined = _plan_parts(prob, first, late)
-        tries.append(eliminate(prob))
-    prob.joined = None
-    distinct = dict.fromkeys(map(tuple, tries))  # (runs that agree are priced once)
-    return local_search(prob, list(min(distinct, key=prob.cost)))
+        tries = [best] + ([exact(prob, max_vars=EXACT_MAX_VARS)] if runs(best) else [])
+    else:
+        late = [v for v in prob.values if v.deferrable]
+        prob.joined = frozenset((b, 1.0 / n) for b, n in Counter(v.batch for v in late).items())
+        tries = [eliminate(prob)]
+        if late:
+            runs(tries[0])
+            prob.joined = _plan_parts(prob, tries[0], late)
+            tries.append(eliminate(prob))
+        prob.joined = None
+    cost = {}  # (tries that agree are priced once)
+    for t in dict.fromkeys(tuple(t) for t in tries if t is not None):
+        runs(t)
+        cost[t] = prob.cost(t)
+    best = min(cost, key=cost.get)
+    runs(best)
+    return local_search(prob, list(best))
+
+
+def _waits(prob: Problem, last, choice) -> tuple:
+    """The ``Value.batch`` of each of the values ``last`` (the last combined collectives') as
+    ``choice`` runs them: ("after", k) where k conversions joining those collectives lie on a path
+    to the value, each read converted by the next step (a global norm summed from all-reduced
+    gradients: a collective cannot take a result of its own), else ()."""
+    member = {id(v) for v in last}
+    waits: dict = {}  # id(value) -> conversions of ``last`` it waits for
+    for u, n in enumerate(prob.nodes):
+        k = 0
+        for v, t in zip(n.operands, n.cands[choice[u]][0]):
+            if v is None:
+                continue
+            at = waits.get(id(v), 0)
+            if id(v) in member:
+                src = prob.layout(v, choice)
+                at += src != t and bool(prob.joins(v, src, t))
+            k = max(k, at)
+        for v in n.outputs:
+            if v is not None:
+                waits[id(v)] = k
+    return tuple(("after", waits[id(v)]) if waits.get(id(v)) else () for v in last)

@@ -140,6 +140,41 @@ def test_a_data_parallel_train_step_runs_its_order():
     assert counts["all-reduce"] == 1, counts
 
 
+def test_a_global_norm_of_reduced_gradients_is_not_priced_as_their_collective():
+    """``optax.clip_by_global_norm`` under data parallelism: the squares of the all-reduced
+    gradients could be summed on slices and their partial sums all-reduced, but that all-reduce
+    reads the gradients' one and cannot join it: the cost model prices it as a second collective,
+    so the plan sums the squares whole and runs one all-reduce. Parameters as plain JAX's."""
+    import jax
+    import optax
+
+    shapes = [(64, 128), (128, 64), (64, 64), (64,), (64, 256), (256, 64)]
+    ws = [RNG.standard_normal(s).astype(np.float32) * 0.1 for s in shapes]
+    xv = RNG.standard_normal((512, 64)).astype(np.float32)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+
+    def loss(ws, x):
+        a, b, c, s, d, e = ws
+        h = (jnp.tanh(x @ a) @ b @ c) * s
+        return jnp.mean((jax.nn.relu(h @ d) @ e) ** 2)
+
+    def step(ws, x):
+        g = jax.grad(loss)(ws, x)
+        u, _ = tx.update(g, tx.init(ws), ws)
+        return optax.apply_updates(ws, u)
+
+    P8 = jsbp.placement("cpu", list(range(8)))
+    params = [jsbp.tensor(w, placement=P8, sbp="B") for w in ws]
+    x = jsbp.tensor(xv, placement=P8, sbp="S(0)")
+    jf = jsbp.jit(step, out_sbp="B")
+    want = jax.jit(step)([jnp.asarray(w) for w in ws], xv)
+    for o, ref in zip(jf(params, x), want):
+        np.testing.assert_allclose(o.numpy(), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    counts = jsbp.debug.count_collectives(jf, params, x)
+    assert counts == jsbp.explain(jf, params, x).collectives()
+    assert counts["all-reduce"] == 1 and sum(counts.values()) == 1, counts
+
+
 def test_a_branchs_inputs_gathered_before_it_run_as_one_collective():
     """A ``cond`` cannot wait for a collective, but the conversions of its own operands run right
     before it, together: two split operands both branches read whole (a sort along the split dim)
