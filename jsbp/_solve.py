@@ -1,6 +1,6 @@
 """Solving a planning problem (``_problem``): one candidate per node at the least ``Problem.cost``.
 
-* **exact** (``exact``): a mixed-integer program (HiGHS through ``_core.milp``) for a
+* **exact** (``_core.exact``): a mixed-integer program (HiGHS through ``_core.milp``) for a
   small problem (``EXACT_MAX_VARS``): binaries ``x[u, c]`` (node ``u`` runs candidate ``c``, one
   per node), ``y[v, t]`` (value ``v`` is needed in layout ``t``: at least every reader's choice
   asks it), ``z[v, s, t] >= a[v, s] + y[v, t] - 1`` (``v`` made in ``s`` and needed in ``t``: the
@@ -23,7 +23,7 @@ from collections import Counter
 import numpy as np
 
 from ._boxing import combined_collective, conversion_lines, line_cost, widening
-from ._core import exact_core, milp, min_sum
+from ._core import exact, exact_core, min_sum
 from ._cost import itemsize
 from ._problem import Problem, latency_part, repeats, through_hub
 
@@ -285,90 +285,6 @@ def _pricer(prob: Problem, tables, u: int, val):
         return cost
 
     return price
-
-
-def exact(prob: Problem, max_vars: float = np.inf) -> list[int] | None:
-    """The optimum of ``Problem.cost`` by HiGHS (``_core.milp``); None if the MILP would have
-    more than ``max_vars`` variables or HiGHS does not prove an optimum within its limits
-    (``_core.milp``)."""
-    nodes = prob.nodes
-    if not nodes:
-        return []
-    base = np.cumsum([0] + [len(n.cands) for n in nodes])
-    nx = int(base[-1])
-    if nx > max_vars:  # the candidates' binaries alone are too many
-        return None
-    cost = [float(c) for n in nodes for c in n.compute]
-    integ = [1] * nx
-    lo = [0.0] * nx
-    rows, cols, vals, rlo, rhi = [], [], [], [], []
-    r = 0
-
-    def new_var(c, binary, low=0.0):
-        cost.append(c)
-        integ.append(1 if binary else 0)
-        lo.append(low)
-        return len(cost) - 1
-
-    def row(terms, low, high):
-        nonlocal r
-        for j, a in terms:
-            rows.append(r)
-            cols.append(j)
-            vals.append(a)
-        rlo.append(low)
-        rhi.append(high)
-        r += 1
-
-    for u, n in enumerate(nodes):
-        row([(int(base[u]) + c, 1.0) for c in range(len(n.cands))], 1.0, 1.0)
-    group: dict = {}  # combined collective (kind, axes) -> its binary (one latency if used)
-    for val in prob.values:
-        if not val.uses and not val.wants:
-            continue
-        targets: dict = {}
-        for u, i in val.uses:
-            for c, (ins, _) in enumerate(nodes[u].cands):
-                targets.setdefault(ins[i], {}).setdefault((u, i), []).append(int(base[u]) + c)
-        for t in val.wants:
-            targets.setdefault(t, {})
-        if val.producer is None:
-            sources = {val.nd: None}
-        else:
-            p, j = val.producer
-            sources = {}
-            for c, (_, outs) in enumerate(nodes[p].cands):
-                sources.setdefault(outs[j], []).append(int(base[p]) + c)
-        for t, readers in targets.items():
-            if len(sources) == 1 and t in sources:
-                continue  # never converted
-            y = new_var(0.0, True, 1.0 if t in val.wants else 0.0)
-            for xs in readers.values():  # y >= sum of the reader's candidates asking t
-                row([(y, 1.0)] + [(x, -1.0) for x in xs], 0.0, np.inf)
-            for s, xs in sources.items():
-                if s == t:
-                    continue
-                c = prob.conversion(val, s, t, 0.0 if val.deferrable else None)
-                joins = prob.joins(val, s, t)
-                if c == 0.0 and not (val.deferrable and joins):
-                    continue
-                if xs is None:
-                    cost[y] += c
-                    made = y
-                else:
-                    made = new_var(c, False)  # z >= a_s + y - 1
-                    row([(made, 1.0), (y, -1.0)] + [(x, -1.0) for x in xs], -1.0, np.inf)
-                if val.deferrable:  # the combined collectives it joins: g >= z
-                    for k in joins:
-                        if k not in group:
-                            group[k] = new_var(prob.model.latency_bytes, True)
-                        row([(group[k], 1.0), (made, -1.0)], 0.0, np.inf)
-        if len(cost) > max_vars:
-            return None
-    x = milp(cost, rows, cols, vals, rlo, rhi, np.array(integ, bool), lower=lo)
-    if x is None:
-        return None
-    return [int(np.argmax(x[base[u] : base[u + 1]])) for u in range(len(nodes))]
 
 
 class _Tables:
