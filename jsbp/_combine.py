@@ -70,7 +70,8 @@ def deferrable(nodes, values) -> None:
 
     * nothing: no contraction (``CONTRACTIONS``), loop or branch can be reached from it (a weight
       gradient on its way through the optimizer to the outputs; a loss). Their collectives of one
-      kind are one group, the program's last: ``batch`` ().
+      kind are one group, the program's last: ``batch`` () (a plan's conversion that reads
+      another's result joins a later one: ("after", k), set by ``_solve.solve``).
     * one top-level loop or branch, which reads it as an input: its conversions of one kind run
       together right before it: ``batch`` (that loop's entry node,).
     * made by a reduction or a contraction (a partial sum's makers), the contractions, loops and

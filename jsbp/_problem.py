@@ -176,7 +176,7 @@ class Value:
     wants: list = dataclasses.field(default_factory=list)  # layouts asked of it as a program output
     times: float = 1.0  # runs per step of its scope (a loop body's value: the trip count)
     deferrable: bool = False  # its collectives run combined with the others' (``deferrable``)
-    batch: tuple = ()  # which combined collectives (``deferrable``): () the program's last
+    batch: tuple = ()  # which combined collectives (``deferrable``, ``_solve._waits``)
 
     @property
     def shape(self) -> tuple:
