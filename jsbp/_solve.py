@@ -699,40 +699,50 @@ def solve(prob: Problem) -> list[int]:
     """The cheapest assignment found: the exact optimum where the problem is small
     (``EXACT_MAX_VARS``); else elimination (``eliminate``) under two pricings of the deferrable
     conversions: a share of a latency each (one over the number of deferrable values of their
-    ``Value.batch``); then, with the first answer's waits (``_waits``: a conversion of the last
-    combined collectives that reads another's result runs in a later one), a part of one where
-    they join a combined collective the first answer runs (one over its members there), a whole
-    one where they open another. The exact optimum is found again where it waits. The cheaper
-    answer, each priced with its own waits, is polished by local search."""
+    ``Value.batch``); then a part of one where they join a combined collective the first answer
+    runs (one over its members there), a whole one where they open another. An answer is priced
+    as it runs (``_waits``: a conversion of the last combined collectives that reads another's
+    result runs in a later one); where the cheapest waits, it is solved once more with those
+    waits priced (a global norm summed on slices of all-reduced gradients pays for its second
+    all-reduce). The cheapest answer is polished by local search."""
     last = [v for v in prob.values if v.deferrable and v.batch == ()]
-    waits: dict = {}  # try -> the batches of ``last`` as it runs them (``_waits``)
+    waits: dict = {}  # answer -> the batches of ``last`` as it runs them
+    cost: dict = {}  # answer -> its ``Problem.cost``, so priced
 
-    def runs(choice) -> bool:  # ``last``'s batches set as ``choice`` runs them; whether one waits
+    def priced(choice) -> float:  # (``last``'s batches left set as ``choice`` runs them)
         t = tuple(choice)
         if t not in waits:
             waits[t] = _waits(prob, last, choice)
         for v, b in zip(last, waits[t]):
             v.batch = b
+        if t not in cost:
+            cost[t] = prob.cost(choice)
+        return cost[t]
+
+    def waiting(choice) -> bool:  # a conversion of ``choice`` waits (``priced`` first)
         return any(v.batch and prob.groups(v, choice) for v in last)
 
+    late = [v for v in prob.values if v.deferrable]
     best = exact(prob, max_vars=EXACT_MAX_VARS)
-    if best is not None:  # (its model charges a value each layout from the made one: no hubs)
-        tries = [best] + ([exact(prob, max_vars=EXACT_MAX_VARS)] if runs(best) else [])
-    else:
-        late = [v for v in prob.values if v.deferrable]
+    small = best is not None
+    if not small:
         prob.joined = frozenset((b, 1.0 / n) for b, n in Counter(v.batch for v in late).items())
         tries = [eliminate(prob)]
         if late:
-            runs(tries[0])
             prob.joined = _plan_parts(prob, tries[0], late)
             tries.append(eliminate(prob))
-        prob.joined = None
-    cost = {}  # (tries that agree are priced once)
-    for t in dict.fromkeys(tuple(t) for t in tries if t is not None):
-        runs(t)
-        cost[t] = prob.cost(t)
-    best = min(cost, key=cost.get)
-    runs(best)
+        best = min(tries, key=priced)
+    priced(best)
+    if waiting(best):
+        if small:
+            again = exact(prob, max_vars=EXACT_MAX_VARS)
+        else:
+            prob.joined = _plan_parts(prob, best, late)
+            again = eliminate(prob)
+        if again is not None and priced(again) < priced(best):
+            best = again
+        priced(best)
+    prob.joined = None
     return local_search(prob, list(best))
 
 
