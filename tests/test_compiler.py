@@ -3,6 +3,7 @@ control flow, autodiff and errors."""
 
 import functools
 import zlib
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -1089,17 +1090,7 @@ def test_a_repeated_output_reuses_its_combined_conversion():
     assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), "all-reduce": 1}, str(plan)
 
 
-_PENDING_CASES = {  # placement: (x's sbp, collectives, which boxings are combined)
-    # (g3 is transposed as addends and reduced where tanh reads it)
-    "4": (P4, "S(0)", {"all-reduce": 2}, [True] * 4 + [False] * 2),
-    # (on 2 x 4 x's conversion to (S(0), S(0)) is a local slice, made once and reused)
-    "2x4": (
-        R24,
-        ("S(0)", "B"),
-        {"all-reduce": 2},
-        [False] + [True] * 4 + [False] * 3,
-    ),
-}
+_PENDING_CASES = {"4": (P4, "S(0)"), "2x4": (R24, ("S(0)", "B"))}  # placement, x's sbp
 
 
 @pytest.mark.parametrize("case", list(_PENDING_CASES))
@@ -1107,10 +1098,12 @@ def test_partial_sums_read_whole_wait_with_their_readers(case):
     """Gradients reduced where an op reads them whole (an optimizer's ``g * g``): the op waits with
     the conversion (``_combine.lazy_ok``), so the conversions of one kind run as one collective
     when a result is first needed, wherever they stand in the program; one made from such a
-    result (``late``: from ``out[0]``) runs after it. Values as NumPy's. The reason: a read that
-    cannot wait would run its conversion alone, and a group closed at the first read would miss
-    the conversions of values made after it (on 2 x 4: 2 all-reduces instead of 1)."""
-    plc, x_sbp, want, combined = _PENDING_CASES[case]
+    result (``late``: from ``out[0]``) cannot join that collective (it reads its result): the plan
+    runs it in a second one, or avoids it (x split another way first): two collectives either
+    way. Values as NumPy's. The reason: a read that cannot wait would run its conversion alone,
+    and a group closed at the first read would miss the conversions of values made after it (on
+    2 x 4: the gradients' all-reduces as 2 collectives instead of 1)."""
+    plc, x_sbp = _PENDING_CASES[case]
     (g1, r1), (g2, r2), (g3, r3) = (_addends(s, plc, np.float32) for s in [(8, 4), (4,), (8, 8)])
     xv = RNG.standard_normal((8, 4)).astype(np.float32)
     x = jsbp.tensor(xv, placement=plc, sbp=x_sbp)
@@ -1131,8 +1124,9 @@ def test_partial_sums_read_whole_wait_with_their_readers(case):
         np.testing.assert_allclose(o.numpy(), ref, rtol=1e-5, atol=1e-5)
     plan = jsbp.explain(f, *args)
     counts = jsbp.debug.count_collectives(jsbp.jit(f), *args)
-    assert counts == plan.collectives() == {**dict.fromkeys(counts, 0), **want}, str(plan)
-    assert [b.combined is not None for b in plan.boxings()] == combined, str(plan)
+    assert counts == plan.collectives() and sum(counts.values()) == 2, str(plan)
+    groups = Counter(b.combined for b in plan.boxings() if b.combined is not None)
+    assert len(groups) == 1 and max(groups.values()) >= 3, str(plan)  # the 3 gradients' at least
     assert plan.boxings()[-1].reused, str(plan)  # cos: g1's again
 
 
