@@ -702,9 +702,10 @@ def solve(prob: Problem) -> list[int]:
     ``Value.batch``); then a part of one where they join a combined collective the first answer
     runs (one over its members there), a whole one where they open another. An answer is priced
     as it runs (``_waits``: a conversion of the last combined collectives that reads another's
-    result runs in a later one); where the cheapest waits, it is solved once more with those
-    waits priced (a global norm summed on slices of all-reduced gradients pays for its second
-    all-reduce). The cheapest answer is polished by local search."""
+    result runs in a later one), and the cheaper of the two so priced is kept; an exact answer
+    that waits is solved once more with those waits priced (a global norm summed on slices of
+    all-reduced gradients pays for its second all-reduce). The answer is polished by local
+    search."""
     last = [v for v in prob.values if v.deferrable and v.batch == ()]
     waits: dict = {}  # answer -> the batches of ``last`` as it runs them
     cost: dict = {}  # answer -> its ``Problem.cost``, so priced
@@ -719,30 +720,23 @@ def solve(prob: Problem) -> list[int]:
             cost[t] = prob.cost(choice)
         return cost[t]
 
-    def waiting(choice) -> bool:  # a conversion of ``choice`` waits (``priced`` first)
-        return any(v.batch and prob.groups(v, choice) for v in last)
-
-    late = [v for v in prob.values if v.deferrable]
     best = exact(prob, max_vars=EXACT_MAX_VARS)
-    small = best is not None
-    if not small:
+    if best is not None:
+        priced(best)
+        if any(v.batch and prob.groups(v, best) for v in last):  # it waits
+            again = exact(prob, max_vars=EXACT_MAX_VARS)
+            if again is not None and priced(again) < priced(best):
+                best = again
+    else:
+        late = [v for v in prob.values if v.deferrable]
         prob.joined = frozenset((b, 1.0 / n) for b, n in Counter(v.batch for v in late).items())
         tries = [eliminate(prob)]
         if late:
             prob.joined = _plan_parts(prob, tries[0], late)
             tries.append(eliminate(prob))
         best = min(tries, key=priced)
+        prob.joined = None
     priced(best)
-    if waiting(best):
-        if small:
-            again = exact(prob, max_vars=EXACT_MAX_VARS)
-        else:
-            prob.joined = _plan_parts(prob, best, late)
-            again = eliminate(prob)
-        if again is not None and priced(again) < priced(best):
-            best = again
-        priced(best)
-    prob.joined = None
     return local_search(prob, list(best))
 
 
