@@ -11,7 +11,8 @@ ids, a ResNet / U-Net with BatchNorm (train, then eval), dynamic loss scaling; t
 normalised kernel in the forward), optimizers whose state is not shaped like the parameters
 (adafactor, novograd, muon, sm3), mixup across the global batch (``jax.random.beta``) and a
 DDPM diffusion step (timestep embedding, a cosine noise schedule, a warmup-cosine learning rate,
-gradient clipping, an EMA copy of the weights).
+gradient clipping, an EMA copy of the weights) and a Llama-style decoder (rotary embeddings,
+grouped-query attention, SwiGLU, clipped adamw).
 Each default run keeps one layout per idiom (the other is ``slow``: JSBP_FULL=1).
 """
 
@@ -966,3 +967,108 @@ def test_diffusion_ddpm_with_ema_and_a_schedule(layout):
     ]
     assert max(gap) > 1e-4  # (the EMA is not the model itself)
     assert int(np.asarray(jflax.gather(objs_g[2]).step.get_value())) == len(batches)
+
+
+# ------------------------------------------------------------------------------------------------
+# 12. Llama-style decoder (as tunix's llama3 writes it): RMSNorm, rotary position embeddings,
+#     grouped-query attention (fewer key / value heads, repeated to the query heads), a SwiGLU MLP,
+#     unrolled layers in an nnx.List, an untied LM head, and optax.chain(clip_by_global_norm,
+#     adamw(warmup_cosine_decay_schedule, weight_decay))
+# ------------------------------------------------------------------------------------------------
+
+KV_HEADS = 2
+
+
+def rotary(x, positions, base=10_000.0):
+    half = x.shape[-1] // 2
+    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions[..., None].astype(jnp.float32) * freq  # (batch, seq, half)
+    sin, cos = jnp.sin(angle)[:, :, None], jnp.cos(angle)[:, :, None]
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, *, rngs):
+        def proj(heads):
+            return nnx.LinearGeneral(
+                D, (heads, HD), use_bias=False, kernel_init=part(lecun, "embed", "heads", "kv"),
+                rngs=rngs,
+            )  # fmt: skip
+
+        self.q, self.k, self.v = proj(HEADS), proj(KV_HEADS), proj(KV_HEADS)
+        self.o = nnx.LinearGeneral(
+            (HEADS, HD), D, axis=(-2, -1), use_bias=False,
+            kernel_init=part(lecun, "heads", "kv", "embed"), rngs=rngs,
+        )  # fmt: skip
+
+    def __call__(self, x, positions):
+        q = rotary(self.q(x), positions)
+        k = rotary(self.k(x), positions)
+        v = self.v(x)
+        k = jnp.repeat(k, HEADS // KV_HEADS, axis=2)  # each kv head serves a group of queries
+        v = jnp.repeat(v, HEADS // KV_HEADS, axis=2)
+        t = x.shape[1]
+        scores = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(HD).astype(x.dtype)
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, jnp.finfo(x.dtype).min)
+        return self.o(jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v))
+
+
+class LlamaBlock(nnx.Module):
+    def __init__(self, *, rngs):
+        self.attn_norm = nnx.RMSNorm(D, epsilon=1e-5, rngs=rngs)
+        self.attn = LlamaAttention(rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(D, epsilon=1e-5, rngs=rngs)
+        mlp_in = part(lecun, "embed", "mlp")
+        self.gate = nnx.Linear(D, FF, use_bias=False, kernel_init=mlp_in, rngs=rngs)
+        self.up = nnx.Linear(D, FF, use_bias=False, kernel_init=mlp_in, rngs=rngs)
+        self.down = nnx.Linear(
+            FF, D, use_bias=False, kernel_init=part(lecun, "mlp", "embed"), rngs=rngs
+        )
+
+    def __call__(self, x, positions):
+        x = x + self.attn(self.attn_norm(x), positions)
+        h = self.mlp_norm(x)
+        return x + self.down(nnx.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nnx.Module):
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(VOCAB, D, embedding_init=part(normal, "vocab", "embed"), rngs=rngs)
+        self.layers = nnx.List([LlamaBlock(rngs=rngs) for _ in range(LAYERS)])
+        self.norm = nnx.RMSNorm(D, epsilon=1e-5, rngs=rngs)
+        self.lm_head = nnx.Linear(
+            D, VOCAB, use_bias=False, kernel_init=part(normal, "embed", "vocab"), rngs=rngs
+        )
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.lm_head(self.norm(x))
+
+
+def _llama_tx():
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
+
+
+@pytest.mark.parametrize("layout", layouts("dp2tp4"))
+def test_llama_gqa_rope_swiglu_clipped_adamw(layout):
+    batches = [tokens(i) for i in range(STEPS)]
+    make = _eager(Llama)
+    ref = train_reference(make, lm_loss, batches, _llama_tx())
+    strat = strategy(layout)
+    model = make(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, _llama_tx(), wrt=nnx.Param)
+    model, optimizer = jflax.shard((model, optimizer), strat)
+    step = jflax.make_train_step(lm_loss, strat)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jsbp.NoRuleWarning)
+        losses = [_value(step(model, optimizer, b)) for b in batches]
+    assert step.explain(model, optimizer, batches[0]).collectives() == step.count_collectives(
+        model, optimizer, batches[0]
+    )
+    got = (losses, jflax.gather(model), jflax.gather(optimizer))
+    assert_parity(got, ref, make(nnx.Rngs(0)))
