@@ -720,13 +720,11 @@ def solve(prob: Problem) -> list[int]:
             cost[t] = prob.cost(choice)
         return cost[t]
 
-    best = exact(prob, max_vars=EXACT_MAX_VARS)
-    if best is not None:
-        priced(best)
-        if any(v.batch and prob.groups(v, best) for v in last):  # it waits
-            again = exact(prob, max_vars=EXACT_MAX_VARS)
-            if again is not None and priced(again) < priced(best):
-                best = again
+    tries = [exact(prob, max_vars=EXACT_MAX_VARS)]
+    if tries[0] is not None:
+        priced(tries[0])
+        if any(v.batch and prob.groups(v, tries[0]) for v in last):  # it waits
+            tries.append(exact(prob, max_vars=EXACT_MAX_VARS))
     else:
         late = [v for v in prob.values if v.deferrable]
         prob.joined = frozenset((b, 1.0 / n) for b, n in Counter(v.batch for v in late).items())
@@ -734,8 +732,8 @@ def solve(prob: Problem) -> list[int]:
         if late:
             prob.joined = _plan_parts(prob, tries[0], late)
             tries.append(eliminate(prob))
-        best = min(tries, key=priced)
         prob.joined = None
+    best = min((t for t in tries if t is not None), key=priced)
     priced(best)
     return local_search(prob, list(best))
 
