@@ -241,10 +241,9 @@ def combine_collectives(prog) -> None:
             close(after)
     # the outputs' conversions (ZeRO-1/2's updated parameters gathered back to B, a loss reduced
     # at the end): nothing reads them, so each joins the open group of its kind (a loss's
-    # all-reduce with the gradients') once the groups its value waits for are closed
-    for (
-        bx
-    ) in prog.out_boxings:  # (one per output; a repeated output's is ``reused``: ``_group_key``)
+    # all-reduce with the gradients') once the groups its value waits for are closed (one per
+    # output; a repeated output's is ``reused``: ``_group_key``)
+    for bx in prog.out_boxings:
         v = prog.jaxpr.outvars[bx.operand]
         key = _group_key(bx, v)
         if key is not None:
@@ -275,19 +274,10 @@ def _schedule(prog) -> list[tuple[str, int]]:
         for v in st.eqn.outvars:
             if not isinstance(v, jcore.DropVar):
                 producer[v] = k
-    made_by: dict = {}  # (value, layout) -> the group converting it
-    members: dict = {}  # group -> the values its members convert
-    for st in steps:
-        for bx in st.boxings:
-            if bx.group is not None:
-                v = st.eqn.invars[bx.operand]
-                made_by[(v, bx.dst.nd_sbp)] = bx.group
-                members.setdefault(bx.group, []).append(v)
-    for bx in prog.out_boxings:
-        if bx.group is not None:
-            members.setdefault(bx.group, []).append(prog.jaxpr.outvars[bx.operand])
+    members = group_members(prog)
     if not members:
         return [("step", k) for k in range(len(steps))]
+    made_by = {(v, bx.dst.nd_sbp): g for g, ms in members.items() for bx, v in ms}
     deps: dict = {}
     first_reader = {g: len(steps) for g in members}
     last_effect = None
@@ -310,9 +300,11 @@ def _schedule(prog) -> list[tuple[str, int]]:
                 d.add(("step", last_effect))
             last_effect = k
         deps[("step", k)] = d
-    for g, vs in members.items():
+    for g, ms in members.items():
         deps[("group", g)] = {
-            ("step", producer[v]) for v in vs if not isinstance(v, jcore.Literal) and v in producer
+            ("step", producer[v])
+            for _, v in ms
+            if not isinstance(v, jcore.Literal) and v in producer
         }
     users: dict = {}
     for node, d in deps.items():
@@ -336,6 +328,19 @@ def _schedule(prog) -> list[tuple[str, int]]:
     if len(order) != len(deps):
         raise AssertionError("combined collectives wait on each other")  # a planning bug
     return order
+
+
+def group_members(prog) -> dict:
+    """Per combined collective of ``prog``, its members in program order: (boxing, the variable
+    it converts)."""
+    out: dict = {}
+    for bx, v in (
+        *((bx, st.eqn.invars[bx.operand]) for st in prog.steps for bx in st.boxings),
+        *((bx, prog.jaxpr.outvars[bx.operand]) for bx in prog.out_boxings),
+    ):
+        if bx.group is not None:
+            out.setdefault(bx.group, []).append((bx, v))
+    return out
 
 
 def run_group(placement, members: list) -> list:

@@ -14,8 +14,8 @@ from jax import lax
 from jax.extend import core as jcore
 
 from ._boxing import run_plan
-from ._combine import run_group
-from ._program import Program, Step, scan_counts
+from ._combine import group_members, run_group
+from ._program import Program, Step, scan_counts, solve_reads
 
 
 def _apply_boxings(vals, boxings, invars=None, cache=None):
@@ -59,14 +59,7 @@ def run_program(
             v = alias[v]
         return v
 
-    members: dict = {}  # combined collective -> [(boxing, the value it converts)]
-    for st in prog.steps:
-        for bx in st.boxings:
-            if bx.group is not None:
-                members.setdefault(bx.group, []).append((bx, st.eqn.invars[bx.operand]))
-    for bx in prog.out_boxings:
-        if bx.group is not None:
-            members.setdefault(bx.group, []).append((bx, prog.jaxpr.outvars[bx.operand]))
+    members = group_members(prog)  # combined collective -> [(boxing, the value it converts)]
     order = prog.order if prog.order is not None else [("step", k) for k in range(len(prog.steps))]
     for kind, k in order:
         if kind == "group":
@@ -159,8 +152,7 @@ def _emit_cond(st, ins):
 
 
 def _emit_linear_solve(st, ins):
-    sub, reads = st.sub
-    return run_program(sub, [ins[i] for i in reads])
+    return run_program(st.sub, [ins[i] for i in solve_reads(st.eqn)])
 
 
 _EMIT = {

@@ -26,7 +26,7 @@ from ._cse import cse
 from ._errors import NoRuleWarning
 from ._layout import layout_of
 from ._problem import Problem, build, fresh_vars, legal_signatures
-from ._program import Boxing, Program, Step, iter_steps, subprograms
+from ._program import Boxing, Program, Step, iter_steps, solve_reads, subprograms
 from ._solve import solve
 from .rules import _registry
 
@@ -55,14 +55,15 @@ def lower(
             hubs[id(val)] = prob.spread(val, src, prob.wanted(val, choice))[1]
         return hubs[id(val)]
 
-    def box(made, i, val, literal: bool, src, dst) -> list[Boxing]:
-        """Operand ``i`` (``val``) from ``src`` to ``dst``: its boxings (none, one, or the
-        conversion to the value's hub then from it); ``made``: id(value) -> the layouts it was
-        converted to in this scope (the emitter's conversion cache, shared by inlined calls)."""
+    def box(made, i, aval, val, src, dst) -> list[Boxing]:
+        """Operand ``i`` (``val``, None for a literal) from ``src`` to ``dst``: its boxings (none,
+        one, or the conversion to the value's hub then from it); ``made``: id(value) -> the
+        layouts it was converted to in this scope (the emitter's conversion cache, shared by
+        inlined calls)."""
         if src == dst:
             return []
-        best = Boxing(i, lay(src, val.aval), lay(dst, val.aval), moves(val.aval, src, dst))
-        if literal:
+        best = Boxing(i, lay(src, aval), lay(dst, aval), moves(aval, src, dst))
+        if val is None:
             return [best]
         held = made.setdefault(id(val), {})
         if dst in held:
@@ -72,14 +73,12 @@ def lower(
         h = hub(val, src)
         if h is not None and h != dst and h not in held:
             if prob.conversion(val, h, dst) < prob.conversion(val, src, dst):
-                first = box(made, i, val, literal, src, h)
+                first = box(made, i, aval, val, src, h)
         cost = prob.conversion(val, src, dst)
         for h in held:
             c = prob.conversion(val, h, dst)
             if c < cost:
-                best = Boxing(
-                    i, lay(h, val.aval), lay(dst, val.aval), moves(val.aval, h, dst), via=True
-                )
+                best = Boxing(i, lay(h, aval), lay(dst, aval), moves(aval, h, dst), via=True)
                 cost = c
         held[dst] = None
         return first + [best]
@@ -103,14 +102,8 @@ def lower(
         lays, boxings = [], []
         for i, (v, nd) in enumerate(zip(eqn.invars[first:], nds), first):
             val = prob.alias.get(v) if not isinstance(v, jcore.Literal) else None
-            if val is None:  # a literal: B
-                src = _b(placement)
-                if tuple(nd) != src:
-                    boxings.append(
-                        Boxing(i, lay(src, v.aval), lay(nd, v.aval), moves(v.aval, src, nd))
-                    )
-            else:
-                boxings += box(made, i, val, False, prob.layout(val, choice), nd)
+            src = _b(placement) if val is None else prob.layout(val, choice)  # a literal: B
+            boxings += box(made, i, v.aval, val, src, tuple(nd))
             lays.append(lay(nd, v.aval))
         return lays, boxings
 
@@ -124,8 +117,8 @@ def lower(
                 ins, outs = n.cands[choice[u]]
                 boxings = []
                 for i, (val, v, t) in enumerate(zip(n.operands, n.eqn.invars, ins)):
-                    literal = isinstance(v, jcore.Literal)
-                    boxings += box(made, i, val, literal, prob.layout(val, choice), t)
+                    mine = None if isinstance(v, jcore.Literal) else val
+                    boxings += box(made, i, v.aval, mine, prob.layout(val, choice), t)
                 ins_l = [lay(nd, v.aval) for nd, v in zip(ins, n.eqn.invars)]
                 outs_l = [lay(nd, v.aval) for nd, v in zip(outs, n.eqn.outvars)]
                 if choice[u] in n.local:  # the candidate runs as its own small program
@@ -136,26 +129,13 @@ def lower(
                     steps.append(Step(n.eqn, ins_l, outs_l, boxings, sub=sub_prog, kind="call"))
                     continue
                 steps.append(Step(n.eqn, ins_l, outs_l, boxings, rule=n.rule, kind=n.kind))
-            elif kind == "call":
+            elif kind in ("call", "linear_solve"):  # (a solve reads some of its operands)
                 _, eqn, inner, inner_consts, sub = item
                 cur = [layout_of_var(v) for v in eqn.invars]
-                sub_prog = program(inner, inner_consts, cur, sub, made)
-                steps.append(
-                    Step(eqn, cur, list(sub_prog.out_layouts), [], sub=sub_prog, kind="call")
-                )
-            elif kind == "linear_solve":
-                _, eqn, inner, inner_consts, sub, reads = item
-                cur = [layout_of_var(v) for v in eqn.invars]
+                reads = solve_reads(eqn) if kind == "linear_solve" else range(len(cur))
                 sub_prog = program(inner, inner_consts, [cur[i] for i in reads], sub, made)
                 steps.append(
-                    Step(
-                        eqn,
-                        cur,
-                        list(sub_prog.out_layouts),
-                        [],
-                        sub=(sub_prog, reads),
-                        kind="linear_solve",
-                    )
+                    Step(eqn, cur, list(sub_prog.out_layouts), [], sub=sub_prog, kind=kind)
                 )
             elif kind == "scan":
                 _, eqn, body, bconsts, sub, ks, cs, xs, ys = item
@@ -217,10 +197,8 @@ def lower(
             cur = prog.out_layouts[i]
             if want is None or tuple(want) == cur.nd_sbp:
                 continue
-            if isinstance(v, jcore.Literal):
-                bxs = [Boxing(i, cur, lay(want, v.aval), moves(v.aval, cur.nd_sbp, tuple(want)))]
-            else:
-                bxs = box(made, i, prob.alias[v], False, cur.nd_sbp, tuple(want))
+            val = None if isinstance(v, jcore.Literal) else prob.alias[v]
+            bxs = box(made, i, v.aval, val, cur.nd_sbp, tuple(want))
             prog.out_boxings += bxs
             prog.out_layouts[i] = bxs[-1].dst
 

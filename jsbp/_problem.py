@@ -45,7 +45,7 @@ from ._combine import deferrable
 from ._cost import DEFAULT_COST, CostModel, itemsize
 from ._errors import SbpError
 from ._layout import layout_of
-from ._program import WHILE_TRIPS, scan_counts
+from ._program import WHILE_TRIPS, scan_counts, solve_reads
 from .rules import _registry
 from .rules._registry import RuleContext
 
@@ -489,6 +489,12 @@ def build(
     def outvals(jx, times) -> list:
         return [read(v, times) for v in jx.outvars]
 
+    def give(eqn, vals) -> None:
+        """``eqn``'s results are ``vals`` (one per result; a dropped one's is not kept)."""
+        for o, val in zip(eqn.outvars, vals):
+            if not isinstance(o, jcore.DropVar):
+                alias[o] = val
+
     def control(eqn, ins, out, times):
         name, p = eqn.primitive.name, eqn.params
         if name == "scan":
@@ -557,9 +563,7 @@ def build(
             ]
             results = [nodes[u].outputs[0] for u in rs]
             out.append(("cond", eqn, idx, ops, [br[:3] for br in branches], rs))
-        for o, val in zip(eqn.outvars, results):
-            if not isinstance(o, jcore.DropVar):
-                alias[o] = val
+        give(eqn, results)
 
     def candidates(eqn):
         try:
@@ -642,18 +646,11 @@ def build(
                 # its value is its ``solve`` jaxpr applied to the right-hand side: a call of that
                 # jaxpr on the operands it reads (its constants and the right-hand side); JAX has
                 # already written gradients' transposed solves as further such equations
-                lens = eqn.params["const_lengths"]
-                start, n_consts = lens.matvec + lens.vecmat, sum(lens)
-                reads = list(range(start, start + lens.solve)) + list(
-                    range(n_consts, len(eqn.invars))
-                )
                 closed = eqn.params["jaxprs"].solve
                 inner = fresh_vars(closed.jaxpr)
-                sub = scope(inner, closed.consts, [ins[i] for i in reads], times)
-                for o, v in zip(eqn.outvars, inner.outvars):
-                    if not isinstance(o, jcore.DropVar):
-                        alias[o] = read(v, times)
-                out.append(("linear_solve", eqn, inner, closed.consts, sub, reads))
+                sub = scope(inner, closed.consts, [ins[i] for i in solve_reads(eqn)], times)
+                give(eqn, outvals(inner, times))
+                out.append(("linear_solve", eqn, inner, closed.consts, sub))
                 continue
             if name in ("scan", "while", "cond"):
                 control(eqn, ins, out, times)
@@ -661,15 +658,10 @@ def build(
             if is_call(eqn):
                 inner, inner_consts = call_jaxpr(eqn)
                 inner = fresh_vars(inner)  # a helper traced once and called twice: two scopes
-                for v, val in zip(inner.invars, ins):
-                    alias[v] = val
-                sub: list = []
                 calls[0] += 1
-                walk(inner, inner_consts, sub, times)
+                sub = scope(inner, inner_consts, ins, times)
                 calls[0] -= 1
-                for o, v in zip(eqn.outvars, inner.outvars):
-                    if not isinstance(o, jcore.DropVar):
-                        alias[o] = read(v, times)
+                give(eqn, outvals(inner, times))
                 out.append(("call", eqn, inner, inner_consts, sub))
                 continue
             u = len(nodes)
@@ -697,9 +689,7 @@ def build(
             add_node(
                 node, [None if isinstance(o, jcore.DropVar) else o.aval for o in eqn.outvars], times
             )
-            for o, val in zip(eqn.outvars, node.outputs):
-                if val is not None:
-                    alias[o] = val
+            give(eqn, node.outputs)
             out.append(("node", u))
 
     invars = []

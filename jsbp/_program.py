@@ -99,6 +99,14 @@ def iter_steps(prog: Program, depth=0):
             yield from iter_steps(s, depth + 1)
 
 
+def solve_reads(eqn) -> list[int]:
+    """The operands of a ``custom_linear_solve`` equation its ``solve`` jaxpr reads: that jaxpr's
+    constants, then the right-hand side."""
+    lens = eqn.params["const_lengths"]
+    start = lens.matvec + lens.vecmat
+    return [*range(start, start + lens.solve), *range(sum(lens), len(eqn.invars))]
+
+
 def trips(st: Step) -> int:
     """How many times the nested programs of ``st`` run per run of ``st``: a ``scan``'s
     ``length``, ``WHILE_TRIPS`` for a ``while`` (its trip count is known only when it runs), once
