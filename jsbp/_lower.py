@@ -62,26 +62,27 @@ def lower(
         inlined calls)."""
         if src == dst:
             return []
-        best = Boxing(i, lay(src, aval), lay(dst, aval), moves(aval, src, dst))
         if val is None:
-            return [best]
+            return [Boxing(i, lay(src, aval), lay(dst, aval), moves(aval, src, dst))]
         held = made.setdefault(id(val), {})
-        if dst in held:
-            best.reused = True
-            return [best]
-        first = []
-        h = hub(val, src)
+        to = [dst]
+        h = None if dst in held else hub(val, src)
         if h is not None and h != dst and h not in held:
             if prob.conversion(val, h, dst) < prob.conversion(val, src, dst):
-                first = box(made, i, aval, val, src, h)
-        cost = prob.conversion(val, src, dst)
-        for h in held:
-            c = prob.conversion(val, h, dst)
-            if c < cost:
-                best = Boxing(i, lay(h, aval), lay(dst, aval), moves(aval, h, dst), via=True)
-                cost = c
-        held[dst] = None
-        return first + [best]
+                to = [h, dst]
+        out = []
+        for t in to:  # each made once: from ``src`` or from a layout made before, the cheaper
+            best = Boxing(i, lay(src, aval), lay(t, aval), moves(aval, src, t), reused=t in held)
+            if not best.reused:
+                cost = prob.conversion(val, src, t)
+                for h in held:
+                    c = prob.conversion(val, h, t)
+                    if c < cost:
+                        best = Boxing(i, lay(h, aval), lay(t, aval), moves(aval, h, t), via=True)
+                        cost = c
+                held[t] = None
+            out.append(best)
+        return out
 
     def layout_of_var(v):
         if isinstance(v, jcore.Literal):
@@ -202,9 +203,11 @@ def lower(
             prog.out_boxings += bxs
             prog.out_layouts[i] = bxs[-1].dst
 
-    return program(
+    prog = program(
         jaxpr, consts, in_layouts, prob.structure, {}, list(out_nd) if out_nd is not None else None
     )
+    program = None  # (recursive: a cycle that would hold prob until the next collection)
+    return prog
 
 
 def _b(placement):
@@ -242,7 +245,7 @@ def plan(placement, jaxpr, consts, in_layouts, out_nd=None, *, strict: bool = Fa
         local = _local_cost(placement, strict)
         prob = build(placement, jaxpr, consts, in_layouts, out_nd, strict=strict, local=local)
         prog = lower(prob, solve(prob), jaxpr, consts, in_layouts, out_nd, strict)
-        prob.cache.clear()  # (the solver's closures refer to prob: freed now, not by a collection)
+        del prob  # (freed now, while the collector waits)
         _reduce_before_transposes(prog)
         combine_collectives(prog)
     finally:

@@ -698,6 +698,7 @@ def build(
         invars.append(val)
     structure: list = []
     walk(jaxpr, consts, structure)
+    walk = None  # (recursive: a cycle that would hold every node until the next collection)
     outvars = [read(v) for v in jaxpr.outvars]
     for val, want in zip(outvars, out_nd or ()):
         if want is not None:

@@ -293,10 +293,11 @@ class _Tables:
     rank, bytes and dtype's widening (``_boxing.conversion_cost``), so values of one rank share
     their layouts' rows and columns, and values of one rank, size and widening one table. A pair
     of layouts' cheapest paths (``_boxing.conversion_lines``: cost linear in the bytes, one line
-    per path) are found once per rank and widening; a table's missing entries are then priced together (``line_cost``). A deferrable
-    value's pricing (``Problem.joined``) takes off part of the latency of the combined
-    collective each conversion joins: per shape and item size, a table of those collectives
-    (``combined_collective``; -1: none). Kept in ``Problem.cache``: ``solve``'s runs share them."""
+    per path) are found once per rank and widening; a table's missing entries are then priced
+    together (``line_cost``). A deferrable value's pricing (``Problem.joined``) takes off part of
+    the latency of the combined collective each conversion joins: per shape and item size, a
+    table of those collectives (``combined_collective``; -1: none). Kept in ``Problem.cache``
+    (as are ``of``'s functions, which refer to it): ``solve``'s runs share them."""
 
     def __init__(self, prob: Problem):
         self.prob = prob
@@ -306,7 +307,6 @@ class _Tables:
         self.layouts: dict = {}  # rank -> {layout: its row and column}
         self.cols: dict = {}  # ``columns``' arrays
         self.lines: dict = {}  # (rank, widening) -> [layouts x layouts x paths x 4]
-        self.made: dict = {}  # (kind, pricing, times) -> ``of``'s functions
         self.parts: dict = {}  # (pricing, batch) -> ``_member_parts``' array
 
     def of(self, val, share: float | None = None):
@@ -318,11 +318,12 @@ class _Tables:
         if val.deferrable:
             kind += (val.batch,)
             pricing = self.prob.pricing(share)
-        hit = self.made.get((kind, pricing, val.times))
+        made = self.prob.cache.setdefault("of", {})  # (kind, pricing, times) -> the functions
+        hit = made.get((kind, pricing, val.times))
         if hit is None:
             index = self._index(len(val.shape))
             sub = self._sub(val, kind, pricing)
-            hit = self.made[(kind, pricing, val.times)] = (index, sub)
+            hit = made[(kind, pricing, val.times)] = (index, sub)
         return hit
 
     def klass(self, val, by_batch: dict) -> tuple:
@@ -735,7 +736,9 @@ def solve(prob: Problem) -> list[int]:
         prob.joined = None
     best = min((t for t in tries if t is not None), key=priced)
     priced(best)
-    return local_search(prob, list(best))
+    choice = local_search(prob, list(best))
+    prob.cache.clear()  # (closures that refer to prob: freed with it, not by a collection)
+    return choice
 
 
 def _waits(prob: Problem, last, choice) -> tuple:
