@@ -55,15 +55,7 @@ def _icm(core, unary, adj, choice) -> dict:
 
 
 def milp(
-    cost,
-    rows,
-    cols,
-    vals,
-    row_lo,
-    row_hi,
-    integral=None,
-    warm: dict | None = None,
-    lower=None,
+    cost, rows, cols, vals, row_lo, row_hi, integral=None, warm: dict | None = None, lower=None
 ):
     """``min cost @ x`` subject to ``row_lo <= A @ x <= row_hi`` (``A``'s entries: ``vals`` at
     ``rows``, ``cols``), ``lower <= x <= 1`` (``lower`` default 0) and ``x[integral]`` whole, by

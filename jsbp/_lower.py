@@ -163,14 +163,8 @@ def lower(
                 cond_prog = program(
                     cj, eqn.params["cond_jaxpr"].consts, cond_in, csub, {}, [_b(placement)]
                 )
-                body_prog = program(
-                    bj,
-                    eqn.params["body_jaxpr"].consts,
-                    body_in,
-                    bsub,
-                    {},
-                    [held_out(u) for u in cs],
-                )
+                bconsts, wants_b = eqn.params["body_jaxpr"].consts, [held_out(u) for u in cs]
+                body_prog = program(bj, bconsts, body_in, bsub, {}, wants_b)
                 steps.append(
                     Step(eqn, lays, list(carry), boxings, sub=(cond_prog, body_prog), kind="while")
                 )

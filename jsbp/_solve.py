@@ -326,12 +326,6 @@ class _Tables:
             hit = made[(kind, pricing, val.times)] = (index, sub)
         return hit
 
-    def klass(self, val, by_batch: dict) -> tuple:
-        """What ``of(val)``'s table is priced by: values of one class have equal tables (a
-        deferrable value's batch enters only through the parts of ``Problem.joined`` it reads,
-        ``by_batch``: per batch the entries naming it)."""
-        return (_kind(val), val.times, val.deferrable and by_batch.get(val.batch))
-
     def columns(self, val, cands, side: int, pos: int) -> np.ndarray:
         """The rows (``index``) of the layouts ``cands`` (a node's candidates) give operand
         (``side`` 0) or result (``side`` 1) ``pos``, the value ``val``; one array per list of
@@ -347,14 +341,7 @@ class _Tables:
     def _index(self, rank: int):
         """``index(nd)``: a layout's row and column in the tables of tensors of ``rank``."""
         lays = self.layouts.setdefault(rank, {})
-
-        def index(nd):
-            k = lays.get(nd)
-            if k is None:
-                k = lays[nd] = len(lays)
-            return k
-
-        return index
+        return lambda nd: lays.setdefault(nd, len(lays))
 
     def _sub(self, val, kind, pricing):
         """``sub(rows, cols)``: the block of ``val``'s table, filled where not yet read, its
@@ -495,7 +482,7 @@ def _add_values(prob: Problem, values, unary, adj, hubs, rep) -> None:
     """Add the conversions of ``values`` to the pairwise model (``unary``, ``adj``, ``hubs``:
     per output of a node, the first hub of the values it makes and that hub's rows), in place,
     each reader and producer taken as the first of its copies (``rep``). Values of one class add
-    up to one of them times their number, priced once: one table (``_Tables.klass``), made by
+    up to one of them times their number, priced once: one table, made by
     copies of one node's output (or inputs of one layout), read by copies of the same operands and
     asked as the same outputs. The values one node's copies make share a hub where their rows
     agree."""
@@ -520,7 +507,10 @@ def _add_values(prob: Problem, values, unary, adj, hubs, rep) -> None:
             continue
         at = ("in", val.nd) if val.producer is None else (rep[val.producer[0]], val.producer[1])
         readers = tuple(sorted((rep[u], i) for u, i in val.uses))
-        key = (tables.klass(val, by_batch), at, readers, tuple(val.wants))
+        # what its table is priced by (a deferrable value's batch only through the parts of
+        # ``Problem.joined`` it reads), where it is made, who reads it, as what it is asked
+        klass = (_kind(val), val.times, val.deferrable and by_batch.get(val.batch))
+        key = (klass, at, readers, tuple(val.wants))
         classes.setdefault(key, [val, 0])[1] += 1
     for val, times in classes.values():
         readers: dict = {}  # node -> its operand indices reading val
